@@ -1,0 +1,41 @@
+"""Argument checks at the public boundary: every message names the argument and what was expected.
+
+Kernels assume valid input; these checks are what stands between a caller's mistake and a
+memory fault or silently wrong numbers.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(name: str, t, *, dtypes, ndim: int | None = None, shape=None,
+                 contiguous: bool = True, align: int = 16) -> None:
+    """Raise TypeError/ValueError unless `t` is a CUDA tensor of one of `dtypes`, with the given
+    rank/shape (None entries in `shape` match any extent), contiguous, and `align`-byte aligned."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if isinstance(dtypes, torch.dtype):
+        dtypes = (dtypes,)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {want}, got {str(t.dtype).removeprefix('torch.')}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if len(shape) != t.dim() or any(s is not None and s != e for s, e in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}"
+                         " (call .contiguous() if a copy is acceptable)")
+    if t.numel() and t.data_ptr() % align:
+        raise ValueError(f"{name}: data pointer must be {align}-byte aligned for vector loads")
+
+
+def check_same_device(**tensors) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on one device: {listing}")

@@ -1,0 +1,16 @@
+"""Every kernel family the audit compiles: its named builds and what their machine code must hold.
+
+A kernel module declares `AUDIT_BUILDS` ({name: build(arch, dump_dir) -> compiled}) and
+`AUDIT_EXPECTS` ({arch: {"require": [families], "forbid": [families]}}), families as
+tools/audit.py names them. Adding a kernel to the audit (and so to its test) is one line here.
+"""
+from . import row_rstd
+
+KERNEL_MODULES = (row_rstd,)
+
+
+def audit_builds():
+    """(build name, build function, expectations per arch) for every registered kernel."""
+    for module in KERNEL_MODULES:
+        for name, build in module.AUDIT_BUILDS.items():
+            yield name, build, module.AUDIT_EXPECTS

@@ -1,0 +1,96 @@
+"""How host code meets CuTe DSL: target arch, compile (with an in-process cache), pointers, stream.
+
+Kernels here take raw global-memory pointers plus dynamic extents rather than DLPack tensors:
+building a pointer from `tensor.data_ptr()` costs far less host time per call than a DLPack
+round trip, and the same host function compiles from `nullptr`s on a machine with no GPU.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Hashable
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr, nullptr
+from cutlass.cute.typing import AddressSpace
+
+ARCHES = ("sm_90a", "sm_100a")
+
+_compiled: dict[Hashable, Any] = {}
+
+
+def device_arch(device=None) -> str:
+    """The CuTe DSL arch string for a CUDA device: sm_90a on Hopper, sm_100a on Blackwell."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "sm_90a"
+    if major == 10:
+        return "sm_100a"
+    raise RuntimeError(
+        f"cutebwd kernels run on Hopper (sm_90a) or Blackwell (sm_100a); this GPU is sm_{major}{minor}"
+    )
+
+
+def compile_kernel(key: Hashable, jit_fn: Callable, *args, arch: str, dump_dir: str | None = None):
+    """Compile `jit_fn(*args)` for `arch` once per `key`; with `dump_dir`, keep PTX and CUBIN there.
+
+    `key` must name everything that changes the generated code (kernel, config, static dims,
+    dtypes); dynamic extents (batch, sequence) are runtime arguments and stay out of it.
+    """
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
+    full_key = (key, arch, dump_dir)
+    hit = _compiled.get(full_key)
+    if hit is not None:
+        return hit
+    options = f"--gpu-arch {arch}"
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    compiled = cute.compile(jit_fn, *args, options=options)
+    _compiled[full_key] = compiled
+    return compiled
+
+
+def gmem_ptr(tensor, dtype, align: int = 16):
+    """A global-memory CuTe pointer to a torch tensor's storage (zero copy)."""
+    return make_ptr(dtype, tensor.data_ptr(), AddressSpace.gmem, assumed_align=align)
+
+
+def fake_ptr(dtype, align: int = 16):
+    """A null global-memory pointer, for compiling without a GPU."""
+    return nullptr(dtype, AddressSpace.gmem, assumed_align=align)
+
+
+def current_stream():
+    """The current torch CUDA stream as the driver handle kernels launch on."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def fake_stream():
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(0)
+
+
+TORCH_TO_CUTE = {}
+
+
+def cute_dtype(torch_dtype):
+    """The CuTe numeric type of a torch dtype (only those the kernels take)."""
+    import torch
+
+    if not TORCH_TO_CUTE:
+        TORCH_TO_CUTE.update({
+            torch.bfloat16: cutlass.BFloat16,
+            torch.float16: cutlass.Float16,
+            torch.float32: cutlass.Float32,
+            torch.int32: cutlass.Int32,
+            torch.int64: cutlass.Int64,
+        })
+    return TORCH_TO_CUTE[torch_dtype]

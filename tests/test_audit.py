@@ -1,0 +1,55 @@
+"""Every registered kernel compiles for sm_90a and sm_100a without a GPU, and its machine
+code holds what the kernel declares (tools/audit.py)."""
+import pytest
+
+from cutebwd.kernels.registry import audit_builds
+from cutebwd.tools import audit
+
+BUILDS = list(audit_builds())
+
+
+@pytest.fixture(scope="module")
+def nvdisasm():
+    return audit.find_nvdisasm()
+
+
+@pytest.mark.parametrize("arch", audit.ARCHES)
+@pytest.mark.parametrize("name,build,expects", BUILDS, ids=[b[0] for b in BUILDS])
+def test_build_holds_declared_instructions(name, build, expects, arch, nvdisasm):
+    result = {"kernel": name, "arch": arch, **audit.audit_build(build, arch, nvdisasm)}
+    assert result["target"] == arch.rstrip("a")
+    assert expects.get(arch, {}).get("require"), f"{name} declares nothing its {arch} build must hold"
+    assert audit.violations(result, expects) == []
+
+
+def test_every_kernel_declares_both_arches():
+    for name, _, expects in BUILDS:
+        assert set(audit.ARCHES) <= set(expects), name
+
+
+def test_family_classifier():
+    assert audit.family_of("LDG.E.128") == "LDG.128"
+    assert audit.family_of("LDG.E.64.CONSTANT") == "LDG.64"
+    assert audit.family_of("LDG.E") == "LDG.32"
+    assert audit.family_of("STG.E.U16") == "STG.16"
+    assert audit.family_of("HGMMA.64x128x16.F32.BF16") == "HGMMA"
+    assert audit.family_of("UTCHMMA.2CTA") == "UTCMMA"
+    assert audit.family_of("UTMALDG.2D") == "UTMALDG"
+    assert audit.family_of("STL.64") == "LOCAL"
+    assert audit.family_of("FFMA") is None
+
+
+def test_violations_catch_missing_and_forbidden():
+    result = {"arch": "sm_100a", "target": "sm_100", "families": {"HGMMA": 4, "LOCAL": 2}}
+    problems = audit.violations(result, {"sm_100a": {"require": ["UTCMMA"], "forbid": ["LOCAL"]}})
+    assert len(problems) == 2
+
+
+def test_count_instructions_parses_predicated_lines():
+    sass = """
+        /*0170*/                   LDG.E.128 R4, desc[UR6][R4.64] ;
+        /*0180*/               @!P0 STG.E.U16 desc[UR4][R2.64], R5 ;
+        /*0190*/               @P1 HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+    """
+    _, families = audit.count_instructions(sass)
+    assert families == {"LDG.128": 1, "STG.16": 1, "HGMMA": 1}

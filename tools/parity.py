@@ -1,0 +1,85 @@
+"""The correctness bar of semantics.md, in one place for tests, bench and tune.
+
+An output passes when (1) no element is NaN/Inf unless the reference has it there, (2) at
+least 99% of elements satisfy |out - ref| <= 1e-2 + 1e-2 * |ref|, and (3) the relative
+Frobenius error ||out - ref|| / ||ref|| is at most 1e-2 for bf16 outputs, 1e-4 for fp32
+outputs (in these problems every fp32 output is a pure reduction, e.g. a norm-weight gradient).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ATOL = RTOL = 1e-2
+MIN_CLOSE_FRACTION = 0.99
+
+
+def frobenius_limit(declared_dtype: torch.dtype) -> float:
+    return 1e-4 if declared_dtype == torch.float32 else 1e-2
+
+
+@dataclass
+class OutputReport:
+    name: str
+    close_fraction: float
+    rel_frobenius: float
+    frobenius_limit: float
+    stray_nonfinite: int  # non-finite in out where the reference is finite
+    max_abs_error: float
+
+    @property
+    def ok(self) -> bool:
+        return (self.stray_nonfinite == 0 and self.close_fraction >= MIN_CLOSE_FRACTION
+                and self.rel_frobenius <= self.frobenius_limit)
+
+    def line(self) -> str:
+        return (f"{'ok  ' if self.ok else 'FAIL'} {self.name:<28} close {self.close_fraction:8.4%}  "
+                f"rel_fro {self.rel_frobenius:.2e} (<= {self.frobenius_limit:.0e})  "
+                f"max_abs {self.max_abs_error:.3e}  stray_nonfinite {self.stray_nonfinite}")
+
+
+def check_output(name: str, out: torch.Tensor, ref: torch.Tensor, declared_dtype: torch.dtype) -> OutputReport:
+    if out.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    ref_finite = torch.isfinite(ref64)
+    stray = int((~torch.isfinite(out64) & ref_finite).sum())
+    both = ref_finite & torch.isfinite(out64)
+    err = (out64 - ref64).abs()
+    # An element where both are the same non-finite value counts as close; any other
+    # non-finite mismatch counts as not close.
+    same_nonfinite = ~ref_finite & ((out64 == ref64) | (torch.isnan(out64) & torch.isnan(ref64)))
+    close = (both & (err <= ATOL + RTOL * ref64.abs())) | same_nonfinite
+    numel = max(out.numel(), 1)
+    diff = torch.where(both, out64 - ref64, torch.zeros_like(out64))
+    ref_norm = torch.where(both, ref64, torch.zeros_like(ref64)).norm().item()
+    diff_norm = diff.norm().item()
+    rel = diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else float("inf"))
+    max_abs = err[both].max().item() if both.any() else 0.0
+    return OutputReport(name, close.sum().item() / numel, rel, frobenius_limit(declared_dtype), stray, max_abs)
+
+
+def check_outputs(names, outs, refs, declared_dtypes) -> list[OutputReport]:
+    if not (len(names) == len(outs) == len(refs) == len(declared_dtypes)):
+        raise AssertionError(f"expected {len(names)} outputs, got {len(outs)} (reference {len(refs)})")
+    return [check_output(*args) for args in zip(names, outs, refs, declared_dtypes)]
+
+
+def assert_parity(names, outs, refs, declared_dtypes, context: str = "") -> list[OutputReport]:
+    """Check every output; raise one AssertionError listing every output's figures if any fails."""
+    reports = check_outputs(names, outs, refs, declared_dtypes)
+    if not all(r.ok for r in reports):
+        raise AssertionError(f"parity failed {context}\n" + "\n".join(r.line() for r in reports))
+    return reports
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """An output buffer shaped like `t`, filled with NaN (or the max value for integer dtypes),
+    so an element the kernel never writes cannot pass the check."""
+    out = torch.empty_like(t)
+    if out.is_floating_point():
+        out.fill_(float("nan"))
+    else:
+        out.fill_(torch.iinfo(out.dtype).max)
+    return out
