@@ -95,10 +95,9 @@ def rms_rstd(x, eps: float = 1e-6, *, out=None):
     if rows == 0:
         return out
     dtype = runtime.cute_dtype(x.dtype)
-    compiled = _build(dtype, hidden, runtime.device_arch(x.device))
-    with torch.cuda.device(x.device):
-        compiled(runtime.gmem_ptr(x, dtype), runtime.gmem_ptr(out, Float32, 4), Int32(rows),
-                 Float32(eps), runtime.current_stream())
+    compiled = _build(dtype, hidden, runtime.device_arch(x.device.index))
+    compiled(runtime.gmem_ptr(x, dtype), runtime.gmem_ptr(out, Float32, 4), Int32(rows),
+             Float32(eps), runtime.current_stream(x.device))
     return out
 
 

@@ -6,6 +6,7 @@ round trip, and the same host function compiles from `nullptr`s on a machine wit
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Hashable
 
@@ -19,11 +20,12 @@ ARCHES = ("sm_90a", "sm_100a")
 _compiled: dict[Hashable, Any] = {}
 
 
-def device_arch(device=None) -> str:
+@functools.lru_cache(maxsize=None)
+def device_arch(device_index: int) -> str:
     """The CuTe DSL arch string for a CUDA device: sm_90a on Hopper, sm_100a on Blackwell."""
     import torch
 
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = torch.cuda.get_device_capability(device_index)
     if major == 9:
         return "sm_90a"
     if major == 10:
@@ -64,12 +66,12 @@ def fake_ptr(dtype, align: int = 16):
     return nullptr(dtype, AddressSpace.gmem, assumed_align=align)
 
 
-def current_stream():
-    """The current torch CUDA stream as the driver handle kernels launch on."""
+def current_stream(device):
+    """The current torch CUDA stream of `device` as the driver handle kernels launch on."""
     import cuda.bindings.driver as cuda
     import torch
 
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
 def fake_stream():

@@ -1,0 +1,180 @@
+"""Benchmark on the GPU, in one run: the two ceilings (device copy bandwidth, bf16 cuBLAS
+matmul rate), then per problem and workload every implementation registered for it (the eager
+reference, torch.compile of it, and our kernels and peers as they land), each checked against
+the fp32 reference before it is timed, with time, speed-of-light time and fraction of it.
+
+    python -m cutebwd.tools.bench [--problem NAME ...] [--impl NAME ...] [--json bench.json]
+
+A table on screen, JSON on disk, progress on stderr while it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from cutebwd.references import PROBLEMS
+from cutebwd.references.workloads import sol_seconds
+from cutebwd.tools import parity, timing
+
+# Graph-replay figures only where host cost could matter: inputs below this size.
+GRAPH_MAX_INPUT_BYTES = 64 << 20
+
+# problem name -> {implementation name: factory(problem) -> fn(*inputs) -> outputs}.
+# Kernels and peers add themselves with `register` when they land.
+IMPLEMENTATIONS: dict[str, dict] = {name: {} for name in PROBLEMS}
+
+
+def register(problem_name: str, impl_name: str):
+    def add(factory):
+        IMPLEMENTATIONS[problem_name][impl_name] = factory
+        return factory
+    return add
+
+
+def _eager(problem):
+    options = problem.dims_options(problem.dims)
+    return lambda *inputs: problem.reference(*inputs, **options)
+
+
+def _compiled(problem):
+    # Inductor drops a bf16 round trip inside a fused kernel unless told to emulate it; the
+    # contract's intermediate roundings (dq, g_gate, g_attn, ...) are part of the math, and
+    # without them the weight gradients miss the bar (seen on 051 and 056).
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+    options = problem.dims_options(problem.dims)
+    fn = torch.compile(problem.reference)
+    return lambda *inputs: fn(*inputs, **options)
+
+
+for _name in PROBLEMS:
+    register(_name, "eager")(_eager)
+    register(_name, "torch.compile")(_compiled)
+
+
+def _input_bytes(inputs) -> int:
+    return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+
+
+def _replicate(inputs, copies: int):
+    """`copies` independent sets of the inputs (clones keep strides, so views stay views)."""
+    def clone(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    return [inputs] + [tuple(clone(t) for t in inputs) for _ in range(copies - 1)]
+
+
+def bench_case(problem, seq, batch, options, impls, ceilings, seed, log):
+    inputs = problem.make_inputs(batch, seq, device="cuda", seed=seed, **options)
+    expected = problem.run_reference(inputs, fp32_outputs=True)
+    nbytes, flops = problem.cost(batch, seq)
+    sol_ms = 1e3 * sol_seconds((nbytes, flops), *ceilings)
+    in_bytes = _input_bytes(inputs)
+    arg_sets = _replicate(inputs, timing.copies_to_escape_l2(in_bytes))
+    rows = []
+    for impl_name, factory in impls.items():
+        fn = factory(problem)
+        start = time.perf_counter()
+        outputs = fn(*inputs)
+        reports = parity.check_outputs(problem.output_names, outputs, expected, problem.output_dtypes)
+        del outputs
+        ms = timing.time_ms(fn, arg_sets)
+        graph_ms = timing.graph_time_ms(fn, arg_sets) if in_bytes < GRAPH_MAX_INPUT_BYTES else None
+        row = {"problem": problem.name, "seq_len": seq, "batch_size": batch, "options": options,
+               "impl": impl_name, "ms": ms, "graph_ms": graph_ms, "sol_ms": sol_ms,
+               "sol_fraction": sol_ms / ms, "bytes": nbytes, "flops": flops,
+               "parity_ok": all(r.ok for r in reports),
+               "parity": [r.line() for r in reports]}
+        rows.append(row)
+        log(f"  {impl_name:<14} {ms:9.4f} ms  SOL {sol_ms:8.4f} ms  {row['sol_fraction']:6.1%}"
+            f"  parity {'ok' if row['parity_ok'] else 'FAIL'}  ({time.perf_counter() - start:.1f} s)")
+        if not row["parity_ok"]:
+            log("\n".join("    " + line for line in row["parity"]))
+    del arg_sets, inputs, expected
+    torch.cuda.empty_cache()
+    return rows
+
+
+def summarize(rows):
+    """Per problem and implementation: mean ms over the seed workloads (extra cases excluded)."""
+    summary = {}
+    for row in rows:
+        if row["options"]:
+            continue
+        key = (row["problem"], row["impl"])
+        entry = summary.setdefault(key, {"ms": [], "sol_ms": [], "parity_ok": True})
+        entry["ms"].append(row["ms"])
+        entry["sol_ms"].append(row["sol_ms"])
+        entry["parity_ok"] &= row["parity_ok"]
+    return [{"problem": p, "impl": i, "workloads": len(e["ms"]), "mean_ms": statistics.mean(e["ms"]),
+             "mean_sol_ms": statistics.mean(e["sol_ms"]), "parity_ok": e["parity_ok"]}
+            for (p, i), e in summary.items()]
+
+
+def format_tables(rows, summary) -> str:
+    lines = [f"{'problem':<32} {'seq x batch':>12} {'impl':<14} {'ms':>9} {'graph ms':>9} "
+             f"{'SOL ms':>9} {'of SOL':>7} parity"]
+    for r in rows:
+        graph = f"{r['graph_ms']:9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
+        extra = " " + ",".join(f"{k}={v}" for k, v in r["options"].items()) if r["options"] else ""
+        lines.append(f"{r['problem']:<32} {str(r['seq_len']) + ' x ' + str(r['batch_size']):>12} "
+                     f"{r['impl']:<14} {r['ms']:9.4f} {graph} {r['sol_ms']:9.4f} "
+                     f"{r['sol_fraction']:7.1%} {'ok' if r['parity_ok'] else 'FAIL'}{extra}")
+    lines += ["", f"{'problem':<32} {'impl':<14} {'mean ms':>9} {'mean SOL ms':>12} {'SOL/time':>9} parity"]
+    for s in summary:
+        lines.append(f"{s['problem']:<32} {s['impl']:<14} {s['mean_ms']:9.4f} {s['mean_sol_ms']:12.4f} "
+                     f"{s['mean_sol_ms'] / s['mean_ms']:9.1%} {'ok' if s['parity_ok'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problem", action="append", choices=sorted(PROBLEMS), help="default: all")
+    parser.add_argument("--impl", action="append", help="implementation names (default: all registered)")
+    parser.add_argument("--json", default="bench.json")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-cases", type=int, help="only the first N cases of each problem (a smoke run)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench: no CUDA GPU here; nothing to time", file=sys.stderr)
+        return 2
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    log("[bench] ceilings ...")
+    bandwidth, rate = timing.copy_bandwidth(), timing.matmul_rate()
+    log(f"[bench] copy {bandwidth / 1e12:.3f} TB/s, bf16 matmul {rate / 1e12:.1f} TFLOP/s")
+    rows = []
+    for name in args.problem or list(PROBLEMS):
+        problem = PROBLEMS[name]
+        impls = {k: v for k, v in IMPLEMENTATIONS[name].items() if not args.impl or k in args.impl}
+        cases = problem.cases()[:args.max_cases]
+        for i, (seq, batch, options) in enumerate(cases, 1):
+            log(f"[bench] {name} {i}/{len(cases)} seq={seq} batch={batch} {options or ''}"
+                f" ({time.perf_counter() - started:.0f} s)")
+            rows += bench_case(problem, seq, batch, options, impls, (bandwidth, rate), args.seed, log)
+    summary = summarize(rows)
+    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "copy_bandwidth": bandwidth, "matmul_rate": rate,
+              "rows": rows, "summary": summary}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{result['gpu']}, {result['date']}: copy {bandwidth / 1e12:.3f} TB/s, "
+          f"bf16 matmul {rate / 1e12:.1f} TFLOP/s")
+    print(format_tables(rows, summary))
+    print(f"wrote {args.json} ({time.perf_counter() - started:.0f} s)")
+    return 0 if all(r["parity_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
