@@ -1,1 +1,24 @@
-"""cutebwd"""
+"""cutebwd: backward-pass GPU kernels in the CUTLASS CuTe DSL for four SOL-ExecBench problems.
+
+Public ops are attributes of this package, imported on first use (the DSL takes a moment to
+import, and `cutebwd.references` needs none of it):
+
+    cutebwd.rms_rstd(x, eps=1e-6, *, out=None)     row rsqrt(mean(x^2) + eps), fp32
+
+Subpackages: kernels (device code), layouts (tiling), references (plain PyTorch, the
+contract), tools (audit, bench, parity, timing).
+"""
+import importlib
+
+# public op -> module that defines it
+_OPS = {
+    "rms_rstd": "cutebwd.kernels.row_rstd",
+}
+
+__all__ = sorted(_OPS)
+
+
+def __getattr__(name):
+    if name in _OPS:
+        return getattr(importlib.import_module(_OPS[name]), name)
+    raise AttributeError(f"module 'cutebwd' has no attribute {name!r}")

@@ -1,0 +1,24 @@
+"""The installed layout: one namespace `cutebwd`, public ops at its top."""
+import importlib
+import tomllib
+from pathlib import Path
+
+import cutebwd
+
+
+def test_subpackages_live_under_cutebwd():
+    for sub in ("kernels", "layouts", "references", "tools"):
+        assert importlib.import_module(f"cutebwd.{sub}").__name__ == f"cutebwd.{sub}"
+
+
+def test_only_cutebwd_is_installed_at_the_top():
+    """Hugging Face's `kernels` owns that top-level name; we install nothing beside `cutebwd`."""
+    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"cutebwd": "."}
+    assert all(p == "cutebwd" or p.startswith("cutebwd.") for p in setuptools["packages"])
+
+
+def test_public_ops_resolve():
+    for name in cutebwd.__all__:
+        assert callable(getattr(cutebwd, name))
