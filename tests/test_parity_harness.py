@@ -56,3 +56,31 @@ def test_small_uniform_bias_fails_frobenius():
 def test_poisoned_buffers():
     assert torch.isnan(poisoned_like(torch.zeros(4))).all()
     assert (poisoned_like(torch.zeros(4, dtype=torch.int32)) == 2**31 - 1).all()
+
+
+def test_check_problem_catches_an_unwritten_output():
+    """check_problem hands over poisoned outputs; a kernel that skips one fails."""
+    import pytest
+
+    from cutebwd.references import PROBLEMS
+    from cutebwd.tools import parity
+
+    problem = PROBLEMS["fused_residual_rmsnorm_backward"]
+    dims = {"hidden": 64}
+
+    def make_inputs(batch, seq, device, **kw):  # CPU stand-in for the GPU inputs
+        return problem.module.make_inputs(batch, seq, **kw)
+
+    cpu_problem = type(problem)(**{**problem.__dict__, "make_inputs": make_inputs})
+
+    def honest(*inputs, out):
+        for o, r in zip(out, cpu_problem.run_reference(inputs, dims=dims)):
+            o.copy_(r)
+
+    def lazy(*inputs, out):
+        honest(*inputs, out=out)
+        out[1].fill_(float("nan"))
+
+    assert all(r.ok for r in parity.check_problem(cpu_problem, honest, 2, 5, dims=dims))
+    with pytest.raises(AssertionError, match="grad_residual"):
+        parity.check_problem(cpu_problem, lazy, 2, 5, dims=dims)

@@ -83,3 +83,21 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     else:
         out.fill_(torch.iinfo(out.dtype).max)
     return out
+
+
+def check_problem(problem, kernel, batch: int, seq: int, *, seed: int = 0, dims=None,
+                  kernel_options=None, **input_options) -> list[OutputReport]:
+    """The one parity check for a problem's kernel: fresh random inputs, outputs poisoned
+    with NaN and handed over as `out=`, every output compared with the fp32 reference.
+
+    `kernel(*inputs, out=outputs, **kernel_options)` must write every output in place.
+    """
+    inputs = problem.make_inputs(batch, seq, device="cuda", seed=seed, dims=dims, **input_options)
+    expected = problem.run_reference(inputs, dims=dims, fp32_outputs=True)
+    outputs = tuple(
+        poisoned_like(torch.empty(ref.shape, dtype=dtype, device=ref.device))
+        for ref, dtype in zip(expected, problem.output_dtypes)
+    )
+    kernel(*inputs, out=outputs, **(kernel_options or {}))
+    return assert_parity(problem.output_names, outputs, expected, problem.output_dtypes,
+                         f"{problem.name} batch={batch} seq={seq} seed={seed} {input_options or ''}")
