@@ -4,6 +4,7 @@ Public ops are attributes of this package, imported on first use (the DSL takes 
 import, and `cutebwd.references` needs none of it):
 
     cutebwd.rms_rstd(x, eps=1e-6, *, out=None)     row rsqrt(mean(x^2) + eps), fp32
+    cutebwd.fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *, out=None)
 
 Subpackages: kernels (device code), layouts (tiling), references (plain PyTorch, the
 contract), tools (audit, bench, parity, timing).
@@ -13,6 +14,7 @@ import importlib
 # public op -> module that defines it
 _OPS = {
     "rms_rstd": "cutebwd.kernels.row_rstd",
+    "fused_residual_rmsnorm_backward": "cutebwd.kernels.rmsnorm_backward",
 }
 
 __all__ = sorted(_OPS)

@@ -59,6 +59,13 @@ for _name in PROBLEMS:
     register(_name, "torch.compile")(_compiled)
 
 
+@register("fused_residual_rmsnorm_backward", "cutebwd")
+def _ours_013(problem):
+    from cutebwd.kernels.rmsnorm_backward import fused_residual_rmsnorm_backward
+
+    return fused_residual_rmsnorm_backward
+
+
 def _input_bytes(inputs) -> int:
     return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
 

@@ -1,0 +1,94 @@
+"""L1/013 kernel: argument errors on any machine; parity, odd cases and determinism on the GPU."""
+import pytest
+import torch
+
+from cutebwd import fused_residual_rmsnorm_backward as kernel
+from cutebwd.references import PROBLEMS
+from cutebwd.references.workloads import WORKLOADS
+from cutebwd.tools.parity import assert_parity, check_problem
+
+PROBLEM = PROBLEMS["fused_residual_rmsnorm_backward"]
+
+
+def _inputs(batch=2, seq=3, hidden=64, device="cpu", **kw):
+    return PROBLEM.make_inputs(batch, seq, device=device, dims={"hidden": hidden}, **kw)
+
+
+def test_rejects_wrong_dtype():
+    go, x, n, r, w = _inputs()
+    with pytest.raises(TypeError, match="grad_output: expected dtype bfloat16"):
+        kernel(go.float(), x, n, r, w)
+
+
+def test_rejects_cpu_tensors():
+    with pytest.raises(ValueError, match="grad_output: expected a CUDA tensor"):
+        kernel(*_inputs())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq,batch", WORKLOADS[PROBLEM.name])
+def test_workloads(seq, batch):
+    check_problem(PROBLEM, kernel, batch, seq, seed=seq * 1000 + batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,seq,hidden", [(1, 1, 2560), (3, 77, 1000), (2, 5, 8), (1, 300, 16384)])
+def test_odd_sizes(batch, seq, hidden):
+    check_problem(PROBLEM, kernel, batch, seq, dims={"hidden": hidden}, seed=hidden)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["transposed", "padded"])
+def test_non_contiguous_grad_output(layout):
+    def strided(grad_output, *rest, out):
+        b, s, h = grad_output.shape
+        if layout == "transposed":  # [s, b, H] storage
+            view = torch.empty(s, b, h, dtype=grad_output.dtype, device="cuda").transpose(0, 1)
+        else:  # rows padded to H + 64
+            view = torch.empty(b, s, h + 64, dtype=grad_output.dtype, device="cuda")[..., :h]
+        view.copy_(grad_output)
+        assert not view.is_contiguous()
+        return kernel(view, *rest, out=out)
+
+    check_problem(PROBLEM, strided, 4, 211, seed=7)
+
+
+@pytest.mark.gpu
+def test_normalized_none_reads_x_times_rstd():
+    def without_normalized(grad_output, x, normalized, rstd, weight, out):
+        return kernel(grad_output, x, None, rstd, weight, out=out)
+
+    check_problem(PROBLEM, without_normalized, 2, 773, consistent=True)
+
+
+@pytest.mark.gpu
+def test_nan_in_one_row_stays_in_that_row():
+    inputs = list(PROBLEM.make_inputs(4, 33, device="cuda", seed=3))
+    inputs[1][2, 5, 17] = float("nan")  # x
+    expected = PROBLEM.run_reference(inputs, fp32_outputs=True)
+    outputs = kernel(*inputs)
+    assert torch.isnan(outputs[0][2, 5]).all() and not torch.isnan(outputs[0][2, 4]).any()
+    assert_parity(PROBLEM.output_names, outputs, expected, PROBLEM.output_dtypes)
+
+
+@pytest.mark.gpu
+def test_grad_weight_is_bitwise_repeatable():
+    inputs = PROBLEM.make_inputs(64, 1087, device="cuda", seed=11)
+    first = kernel(*inputs)
+    for _ in range(4):
+        again = kernel(*inputs)
+        assert torch.equal(again[2], first[2]) and torch.equal(again[0], first[0])
+
+
+@pytest.mark.gpu
+def test_gpu_argument_errors():
+    go, x, n, r, w = _inputs(hidden=2560, device="cuda")
+    with pytest.raises(ValueError, match="x: expected shape"):
+        kernel(go, x[:, :2], n, r, w)
+    with pytest.raises(ValueError, match="hidden size must be a positive multiple of 8"):
+        g2, x2, n2, r2, w2 = _inputs(hidden=1004, device="cuda")
+        kernel(g2, x2, n2, r2, w2)
+    with pytest.raises(ValueError, match="weight: expected a contiguous"):
+        kernel(go, x, n, r, torch.randn(2 * 2560, device="cuda")[::2])
+    with pytest.raises(TypeError, match="out: expected"):
+        kernel(go, x, n, r, w, out=(torch.empty_like(go),))
