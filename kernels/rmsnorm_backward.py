@@ -21,7 +21,7 @@ import functools
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils
+import cutlass.memory
 from cutlass import BFloat16, Float32, Int32
 
 VECTOR = 4  # elements per access
@@ -81,7 +81,7 @@ class FusedResidualRmsNormBackward:
         h, vpt, vectors = self.hidden, self.vectors_per_thread, self.hidden // VECTOR
         rows = m_x.shape[0]
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
 
         wide = lambda t: cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), t.element_type,
