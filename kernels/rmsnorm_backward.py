@@ -222,18 +222,18 @@ def _check_inputs(grad_output, x, normalized, rstd, weight):
     return batch, seq, hidden
 
 
-def _check_out(out, batch, seq, hidden, device):
+def _check_out(out, x):
     import torch
 
-    from .checks import check_tensor
+    from .checks import check_same_device, check_tensor
 
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise TypeError("out: expected (grad_hidden_states, grad_residual, grad_weight)")
+    batch, seq, hidden = x.shape
     for name, t in zip(("grad_hidden_states", "grad_residual"), out[:2]):
         check_tensor(f"out[{name}]", t, dtypes=torch.bfloat16, shape=(batch, seq, hidden), align=8)
     check_tensor("out[grad_weight]", out[2], dtypes=torch.float32, shape=(hidden,))
-    if any(t.device != device for t in out):
-        raise ValueError(f"out: expected tensors on {device}")
+    check_same_device(x=x, grad_hidden_states=out[0], grad_residual=out[1], grad_weight=out[2])
     return tuple(out)
 
 
@@ -257,7 +257,7 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
         out = (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.bfloat16),
                torch.empty(hidden, dtype=torch.float32, device=device))
     else:
-        out = _check_out(out, batch, seq, hidden, device)
+        out = _check_out(out, x)
     grad_hidden, grad_residual, grad_weight = out
     rows = batch * seq
     if rows == 0:

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import runtime
-from .checks import check_tensor
+from .checks import check_same_device, check_tensor
 
 VECTOR_BITS = 128
 ROWS_PER_CTA = 4
@@ -90,8 +90,7 @@ def rms_rstd(x, eps: float = 1e-6, *, out=None):
         out = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     else:
         check_tensor("out", out, dtypes=torch.float32, shape=tuple(x.shape[:-1]), align=4)
-        if out.device != x.device:
-            raise ValueError(f"out: expected a tensor on {x.device}, got one on {out.device}")
+        check_same_device(x=x, out=out)
     if rows == 0:
         return out
     dtype = runtime.cute_dtype(x.dtype)
@@ -106,7 +105,4 @@ AUDIT_BUILDS = {
     f"row_rstd[{dt.__name__},H={h}]": (lambda arch, dump_dir, dt=dt, h=h: _build(dt, h, arch, dump_dir))
     for dt, h in ((cutlass.BFloat16, 2560), (Float32, 4096))
 }
-AUDIT_EXPECTS = {
-    "sm_90a": {"require": ["LDG.128"], "forbid": ["LOCAL"]},
-    "sm_100a": {"require": ["LDG.128"], "forbid": ["LOCAL"]},
-}
+AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL"]} for arch in runtime.ARCHES}

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-ARCHES = ("sm_90a", "sm_100a")
+from cutebwd.kernels.runtime import ARCHES
 
 # Families shown in the table, in order. LDG.n / STG.n are global loads/stores n bits wide.
 FAMILIES = ("HGMMA", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM", "STTM", "LDG.128", "LDG.64",
