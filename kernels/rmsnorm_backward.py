@@ -16,8 +16,6 @@ no float atomics, so grad_weight is bitwise repeatable.
 """
 from __future__ import annotations
 
-import functools
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -34,9 +32,12 @@ def _vector(row_tensor, index):
     return cute.zipped_divide(row_tensor, (VECTOR,))[None, index]
 
 
-def _row_view(ptr, seq, batch, stride_s, stride_b, hidden):
-    """A [(seq, batch), hidden] view: a linear row index r = s + seq * b walks the (s, b) pair."""
-    return cute.make_tensor(ptr, cute.make_layout(((seq, batch), hidden), stride=((stride_s, stride_b), 1)))
+def _rows(t):
+    """A [batch, seq, ...] tensor seen as [(seq, batch), ...]: one linear row index r = s + seq * b
+    walks both modes through the tensor's own strides (any batch/seq strides work)."""
+    shape, stride = t.shape, t.stride
+    return cute.make_tensor(t.iterator, cute.make_layout(((shape[1], shape[0]), *shape[2:]),
+                                                         stride=((stride[1], stride[0]), *stride[2:])))
 
 
 class FusedResidualRmsNormBackward:
@@ -51,25 +52,16 @@ class FusedResidualRmsNormBackward:
         self.warps = self.threads // 32
 
     @cute.jit
-    def __call__(self, grad_output: cute.Pointer, x: cute.Pointer, normalized: cute.Pointer,
-                 rstd: cute.Pointer, weight: cute.Pointer, grad_hidden: cute.Pointer,
-                 grad_residual: cute.Pointer, partials: cute.Pointer, seq: Int32, batch: Int32,
-                 go_stride_s: Int32, go_stride_b: Int32, ctas: Int32, stream: cuda.CUstream):
-        h = self.hidden
-        rows = seq * batch
-        # grad_output strides arrive in units of VECTOR elements so the compiler knows every
-        # row start is vector aligned.
-        m_go = _row_view(grad_output, seq, batch, cute.assume(go_stride_s * VECTOR, divby=VECTOR),
-                         cute.assume(go_stride_b * VECTOR, divby=VECTOR), h)
-        m_x = cute.make_tensor(x, cute.make_layout((rows, h), stride=(h, 1)))
-        m_norm = cute.make_tensor(normalized, cute.make_layout((rows, h), stride=(h, 1)))
-        m_rstd = cute.make_tensor(rstd, cute.make_layout((rows,)))
-        m_w = cute.make_tensor(weight, cute.make_layout((h,)))
-        m_gh = cute.make_tensor(grad_hidden, cute.make_layout((rows, h), stride=(h, 1)))
-        m_gr = cute.make_tensor(grad_residual, cute.make_layout((rows, h), stride=(h, 1)))
-        m_part = cute.make_tensor(partials, cute.make_layout((ctas, h), stride=(h, 1)))
-        self.kernel(m_go, m_x, m_norm, m_rstd, m_w, m_gh, m_gr, m_part).launch(
-            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+    def __call__(self, grad_output: cute.Tensor, x: cute.Tensor, normalized: cute.Tensor | None,
+                 rstd: cute.Tensor, weight: cute.Tensor, grad_hidden: cute.Tensor,
+                 grad_residual: cute.Tensor, partials: cute.Tensor, stream: cuda.CUstream):
+        # normalized=None: the kernel never reads it (read_normalized is False); x stands in.
+        m_norm = _rows(x)
+        if cutlass.const_expr(normalized is not None):
+            m_norm = _rows(normalized)
+        self.kernel(_rows(grad_output), _rows(x), m_norm, _rows(rstd)[None, 0], weight,
+                    _rows(grad_hidden), _rows(grad_residual), partials).launch(
+            grid=[partials.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_norm: cute.Tensor, m_rstd: cute.Tensor,
@@ -79,7 +71,7 @@ class FusedResidualRmsNormBackward:
         ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tidx % 32, tidx // 32
         h, vpt, vectors = self.hidden, self.vectors_per_thread, self.hidden // VECTOR
-        rows = m_x.shape[0]
+        rows = cute.size(m_x, mode=[0])
 
         smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
@@ -141,6 +133,8 @@ class FusedResidualRmsNormBackward:
                     cute.copy(store_bf16, staging_bf16, _vector(m_gh[row, None], tidx + k * threads))
                     cute.copy(store_bf16, staging_bf16, _vector(m_gr[row, None], tidx + k * threads))
 
+        # Let the column sum launch now; its griddepcontrol.wait still waits for these partials.
+        cute.arch.griddepcontrol_launch_dependents()
         for k in cutlass.range_constexpr(vpt):
             if tidx + k * threads < vectors:  # uneven rows leave the last vectors idle
                 staging_f32.store(grad_weight[None, k].load())
@@ -148,57 +142,91 @@ class FusedResidualRmsNormBackward:
 
 
 class ColumnSum:
-    """out[j] = sum_i partials[i, j], rows added in index order (a fixed order: repeatable)."""
+    """out[j] = sum_i partials[i, j] in a fixed order, so the result is bitwise repeatable.
 
-    THREADS = 128
+    A CTA owns 32 column vectors (one per lane, coalesced 512-byte rows); its WARPS warps split
+    the partial rows round-robin (warp w adds rows w, w + WARPS, ... in order), then warp 0 adds
+    the warps' sums in warp order. Many loads in flight per SM: the ~500 partial rows of a
+    persistent grid cost a few us, not a serial walk. Launched with programmatic dependent
+    launch: it starts while the backward kernel drains and waits on griddepcontrol.
+    """
+
+    WARPS = 16
 
     def __init__(self, hidden: int):
         self.hidden = hidden
 
     @cute.jit
-    def __call__(self, partials: cute.Pointer, out: cute.Pointer, count: Int32, stream: cuda.CUstream):
-        m_part = cute.make_tensor(partials, cute.make_layout((count, self.hidden), stride=(self.hidden, 1)))
-        m_out = cute.make_tensor(out, cute.make_layout((self.hidden,)))
-        self.kernel(m_part, m_out).launch(
-            grid=[cute.ceil_div(self.hidden // VECTOR, self.THREADS), 1, 1], block=[self.THREADS, 1, 1],
-            stream=stream)
+    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
+        self.kernel(partials, out).launch(grid=[cute.ceil_div(self.hidden // VECTOR, 32), 1, 1],
+                                          block=[32 * self.WARPS, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        v = bidx * self.THREADS + tidx
+        lane, warp = tidx % 32, tidx // 32
+        v = bidx * 32 + lane
+        smem = cutlass.memory.SmemAllocator()
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, 32, self.WARPS)), byte_alignment=16)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=VECTOR * 32)
+        acc = cute.make_rmem_tensor((VECTOR,), Float32)
+        staging = cute.make_rmem_tensor((VECTOR,), Float32)
+        acc.fill(0.0)
+        cute.arch.griddepcontrol_wait()  # the partials are complete and visible past this point
         if v < self.hidden // VECTOR:
-            acc = cute.make_rmem_tensor((VECTOR,), Float32)
-            staging = cute.make_rmem_tensor((VECTOR,), Float32)
-            acc.fill(0.0)
-            for i in cutlass.range(0, m_part.shape[0]):
-                cute.copy(atom, cute.zipped_divide(m_part[i, None], (VECTOR,))[None, v], staging)
+            for i in cutlass.range(warp, m_part.shape[0], self.WARPS, unroll=4):
+                cute.copy(atom, _vector(m_part[i, None], v), staging)
                 acc.store(acc.load() + staging.load())
-            cute.copy(atom, acc, cute.zipped_divide(m_out, (VECTOR,))[None, v])
+        warp_sums[None, lane, warp].store(acc.load())
+        cute.arch.barrier()
+        if warp == 0 and v < self.hidden // VECTOR:
+            acc.fill(0.0)
+            for w in cutlass.range_constexpr(self.WARPS):
+                acc.store(acc.load() + warp_sums[None, lane, w].load())
+            cute.copy(atom, acc, _vector(m_out, v))
 
 
 CTAS_PER_SM = 4  # 128 threads x ~100 registers: four CTAs (four rows in flight) per SM
 MAX_HIDDEN = 16384
 
 
-def _builds(hidden: int, read_normalized: bool, arch: str, dump_dir=None):
-    """The two compiled kernels for one hidden size; row counts and strides are runtime values."""
+def _fake_args(hidden: int, read_normalized: bool):
+    """Compile-time stand-ins for the call's tensors. batch and seq are shared symbols, so each
+    call checks in C that every [b, s, ...] tensor agrees; strides are free (multiples of VECTOR
+    elements, so every row start is vector aligned); H is static."""
     from . import runtime
 
-    f, stream, one = runtime.fake_ptr, runtime.fake_stream(), Int32(1)
+    batch, seq, ctas = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    row_strides = lambda: (cute.sym_int64(divisibility=VECTOR), cute.sym_int64(divisibility=VECTOR), 1)
+    rows_of = lambda dtype: runtime.fake_tensor(dtype, (batch, seq, hidden), row_strides(),
+                                                VECTOR * dtype.width // 8)
+    rstd = runtime.fake_tensor(Float32, (batch, seq, 1), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
+    weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
+    partials = runtime.fake_tensor(Float32, (ctas, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
+    normalized = rows_of(Float32) if read_normalized else None
+    return (rows_of(BFloat16), rows_of(Float32), normalized, rstd, weight, rows_of(BFloat16),
+            rows_of(BFloat16), partials), (partials, weight)
+
+
+def _builds(hidden: int, read_normalized: bool, arch: str, dump_dir=None):
+    """The two compiled kernels for one hidden size; batch, seq and strides are runtime values."""
+    from . import runtime
+
+    backward_args, column_sum_args = _fake_args(hidden, read_normalized)
+    stream = runtime.env_stream()
     backward = runtime.compile_kernel(
         ("fused_residual_rmsnorm_backward", hidden, read_normalized),
-        FusedResidualRmsNormBackward(hidden, read_normalized),
-        f(BFloat16, 8), f(Float32), f(Float32), f(Float32, 4), f(Float32), f(BFloat16, 8),
-        f(BFloat16, 8), f(Float32), one, one, one, one, one, stream, arch=arch, dump_dir=dump_dir)
-    column_sum = runtime.compile_kernel(("column_sum", hidden), ColumnSum(hidden), f(Float32), f(Float32),
-                                        one, stream, arch=arch, dump_dir=dump_dir)
+        FusedResidualRmsNormBackward(hidden, read_normalized), *backward_args, stream,
+        arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+    column_sum = runtime.compile_kernel(("column_sum", hidden), ColumnSum(hidden), *column_sum_args, stream,
+                                        arch=arch, dump_dir=dump_dir, tvm_ffi=True)
     return backward, column_sum
 
 
 def _check_inputs(grad_output, x, normalized, rstd, weight):
+    """The full argument check, with messages that name the argument. Run on a shape's first call
+    and to explain any call the compiled function's own (C) checks reject."""
     import torch
 
     from .checks import check_same_device, check_tensor
@@ -207,18 +235,18 @@ def _check_inputs(grad_output, x, normalized, rstd, weight):
     batch, seq, hidden = grad_output.shape
     if hidden % 8 or not 0 < hidden <= MAX_HIDDEN:
         raise ValueError(f"grad_output: hidden size must be a positive multiple of 8 up to {MAX_HIDDEN}, got {hidden}")
-    if grad_output.stride(2) != 1 or grad_output.stride(0) % VECTOR or grad_output.stride(1) % VECTOR:
-        raise ValueError(f"grad_output: needs a contiguous last dimension and batch/seq strides that are "
-                         f"multiples of {VECTOR}, got strides {grad_output.stride()}")
-    check_tensor("x", x, dtypes=torch.float32, shape=(batch, seq, hidden))
+    check_tensor("x", x, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
     if normalized is not None:
-        check_tensor("normalized", normalized, dtypes=torch.float32, shape=(batch, seq, hidden))
-    check_tensor("rstd", rstd, dtypes=torch.float32, shape=(batch, seq, 1), align=4)
+        check_tensor("normalized", normalized, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
+    for name, t in (("grad_output", grad_output), ("x", x), ("normalized", normalized)):
+        if t is not None and (t.stride(2) != 1 or t.stride(0) % VECTOR or t.stride(1) % VECTOR):
+            raise ValueError(f"{name}: needs a contiguous last dimension and batch/seq strides that are "
+                             f"multiples of {VECTOR}, got strides {t.stride()}")
+    check_tensor("rstd", rstd, dtypes=torch.float32, shape=(batch, seq, 1), contiguous=False, align=4)
     check_tensor("weight", weight, dtypes=torch.float32, shape=(hidden,))
     check_same_device(grad_output=grad_output, x=x, normalized=normalized, rstd=rstd, weight=weight)
-    go_extent = sum((n - 1) * s for n, s in zip(grad_output.shape, grad_output.stride())) + 1
-    if max(x.numel(), go_extent) >= 2**31:
-        raise ValueError("inputs of 2^31 or more elements are not supported (32-bit offsets)")
+    if batch * seq >= 2**31:
+        raise ValueError(f"grad_output: {batch * seq} rows; at most 2^31 - 1 are supported")
     return batch, seq, hidden
 
 
@@ -237,50 +265,71 @@ def _check_out(out, x):
     return tuple(out)
 
 
+class _Entry:
+    """What one (hidden size, normalized given?, device) needs per call, resolved once."""
+
+    def __init__(self, hidden: int, read_normalized: bool, device):
+        import torch
+
+        from . import runtime
+
+        self.device = device
+        self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        backward, column_sum = _builds(hidden, read_normalized, runtime.device_arch(device.index))
+        self.backward, self.column_sum = runtime.ffi_function(backward), runtime.ffi_function(column_sum)
+
+
+_entries: dict = {}
+
+
 def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *, out=None):
     """L1/013: -> (grad_hidden_states, grad_residual, grad_weight), as semantics.md says.
 
-    grad_output bf16 [b, s, H] (any batch/seq strides, contiguous last dim); x, normalized fp32
-    [b, s, H] contiguous; rstd fp32 [b, s, 1]; weight fp32 [H]; H a multiple of 8 up to 16384.
-    normalized=None: the caller guarantees normalized == x * rstd, and the kernel computes it
-    instead of reading it (10 bytes per element instead of 14). out=(grad_hidden_states,
-    grad_residual, grad_weight) writes into the caller's tensors. grad_weight is bitwise
-    repeatable: per-CTA partial sums added in a fixed order, no atomics.
+    grad_output, x, normalized [b, s, H] with any batch/seq strides that are multiples of 4
+    elements and a contiguous last dim (bf16, fp32, fp32); rstd fp32 [b, s, 1]; weight fp32
+    [H]; H a multiple of 8 up to 16384. normalized=None: the caller guarantees normalized ==
+    x * rstd, and the kernel computes it instead of reading it (10 bytes per element instead
+    of 14). out=(grad_hidden_states, grad_residual, grad_weight) writes into the caller's
+    tensors. grad_weight is bitwise repeatable: per-CTA partial sums added in a fixed order.
+
+    Host cost: one dict lookup, the output allocations and two TVM-FFI launches, which check
+    dtypes, shapes, strides, alignment and device in C; the Python checks run on a shape's
+    first call and to explain a rejected call.
     """
     import torch
 
-    from . import runtime
-
-    batch, seq, hidden = _check_inputs(grad_output, x, normalized, rstd, weight)
-    device = x.device
+    try:
+        batch, seq, hidden = grad_output.shape
+        entry = _entries[hidden, normalized is None, grad_output.get_device()]
+    except (AttributeError, TypeError, ValueError, KeyError):
+        _check_inputs(grad_output, x, normalized, rstd, weight)
+        batch, seq, hidden = grad_output.shape
+        device = grad_output.device
+        entry = _entries.setdefault((hidden, normalized is None, device.index),
+                                    _Entry(hidden, normalized is not None, device))
+    rows = batch * seq
     if out is None:
-        out = (torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.bfloat16),
-               torch.empty(hidden, dtype=torch.float32, device=device))
-    else:
+        out = (torch.empty((batch, seq, hidden), dtype=torch.bfloat16, device=entry.device),
+               torch.empty((batch, seq, hidden), dtype=torch.bfloat16, device=entry.device),
+               torch.empty(hidden, dtype=torch.float32, device=entry.device))
+    elif not isinstance(out, tuple) or len(out) != 3:
         out = _check_out(out, x)
     grad_hidden, grad_residual, grad_weight = out
-    rows = batch * seq
-    if rows == 0:
+    if rows == 0 or rows >= 2**31:
+        _check_inputs(grad_output, x, normalized, rstd, weight)
+        _check_out(out, x)
         grad_weight.zero_()
         return out
-    ctas = min(rows, CTAS_PER_SM * _sm_count(device.index))
-    partials = torch.empty(ctas, hidden, dtype=torch.float32, device=device)
-    backward, column_sum = _builds(hidden, normalized is not None, runtime.device_arch(device.index))
-    stream = runtime.current_stream(device)
-    p = runtime.gmem_ptr
-    backward(p(grad_output, BFloat16, 8), p(x, Float32), p(x if normalized is None else normalized, Float32),
-             p(rstd, Float32, 4), p(weight, Float32), p(grad_hidden, BFloat16, 8), p(grad_residual, BFloat16, 8),
-             p(partials, Float32), Int32(seq), Int32(batch), Int32(grad_output.stride(1) // VECTOR),
-             Int32(grad_output.stride(0) // VECTOR), Int32(ctas), stream)
-    column_sum(p(partials, Float32), p(grad_weight, Float32), Int32(ctas), stream)
+    partials = torch.empty((min(rows, entry.max_ctas), hidden), dtype=torch.float32, device=entry.device)
+    try:
+        entry.backward(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, partials)
+        entry.column_sum(partials, grad_weight)
+    except Exception:
+        # The C-side checks rejected an argument; say which one and why in our own words.
+        _check_inputs(grad_output, x, normalized, rstd, weight)
+        _check_out(out, x)
+        raise
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 AUDIT_BUILDS = {

@@ -1,8 +1,13 @@
-"""How host code meets CuTe DSL: target arch, compile (with an in-process cache), pointers, stream.
+"""How host code meets CuTe DSL: target arch, compile (with an in-process cache), arguments, stream.
 
-Kernels here take raw global-memory pointers plus dynamic extents rather than DLPack tensors:
-building a pointer from `tensor.data_ptr()` costs far less host time per call than a DLPack
-round trip, and the same host function compiles from `nullptr`s on a machine with no GPU.
+Two calling conventions:
+- TVM-FFI (`compile_kernel(..., tvm_ffi=True)` with `fake_tensor` arguments and `env_stream()`):
+  the compiled function takes torch tensors directly. Argument decoding, dtype/shape/stride/
+  alignment/device checks and the launch all happen in C (a few us per call instead of the
+  DSL's ~100 us Python marshalling), on torch's current stream. Hot-path ops use this.
+- Raw pointers (`gmem_ptr`, `fake_ptr`) plus Int32 extents and a `CUstream`: no extra
+  dependency, slower per call; kept for small utility kernels.
+Both compile from fake arguments on a machine with no GPU.
 """
 from __future__ import annotations
 
@@ -35,19 +40,21 @@ def device_arch(device_index: int) -> str:
     )
 
 
-def compile_kernel(key: Hashable, jit_fn: Callable, *args, arch: str, dump_dir: str | None = None):
+def compile_kernel(key: Hashable, jit_fn: Callable, *args, arch: str, dump_dir: str | None = None,
+                   tvm_ffi: bool = False):
     """Compile `jit_fn(*args)` for `arch` once per `key`; with `dump_dir`, keep PTX and CUBIN there.
 
     `key` must name everything that changes the generated code (kernel, config, static dims,
     dtypes); dynamic extents (batch, sequence) are runtime arguments and stay out of it.
+    With `tvm_ffi`, the result is called with torch tensors (see the module docstring).
     """
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
-    full_key = (key, arch, dump_dir)
+    full_key = (key, arch, dump_dir, tvm_ffi)
     hit = _compiled.get(full_key)
     if hit is not None:
         return hit
-    options = f"--gpu-arch {arch}"
+    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
         options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
@@ -64,6 +71,28 @@ def gmem_ptr(tensor, dtype, align: int = 16):
 def fake_ptr(dtype, align: int = 16):
     """A null global-memory pointer, for compiling without a GPU."""
     return nullptr(dtype, AddressSpace.gmem, assumed_align=align)
+
+
+def ffi_function(compiled):
+    """The positional C entry point of a TVM-FFI build. The DSL's wrapper object adds a Python
+    keyword-argument layer (several us per call); hot paths call this instead. The stream
+    argument is not part of it: TVM-FFI takes torch's current stream."""
+    return compiled.__tvm_ffi_object__()
+
+
+def fake_tensor(dtype, shape, stride, align: int):
+    """A compile-time stand-in for a global-memory tensor: ints are static (checked at each call),
+    `cute.sym_int*()` objects dynamic; one SymInt object used twice must match at each call."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def env_stream():
+    """Stream argument of a TVM-FFI build: the launch uses torch's current stream of the call."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    return make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def current_stream(device):

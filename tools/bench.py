@@ -25,14 +25,20 @@ from cutebwd.tools import parity, timing
 # Graph-replay figures only where host cost could matter: inputs below this size.
 GRAPH_MAX_INPUT_BYTES = 64 << 20
 
-# problem name -> {implementation name: factory(problem) -> fn(*inputs) -> outputs}.
-# Kernels and peers add themselves with `register` when they land.
+# problem name -> {implementation name: (factory(problem) -> fn(*inputs) -> outputs, cost options)}.
+# Kernels and peers add themselves with `register` when they land. Cost options go to the
+# problem's cost function: an implementation that legitimately moves fewer bytes (013 with
+# normalized=None) is held to its own, lower, speed of light.
 IMPLEMENTATIONS: dict[str, dict] = {name: {} for name in PROBLEMS}
 
+# Input options per problem for every implementation: 013 draws a real forward pass's saved
+# tensors, so normalized == x * rstd holds and the normalized=None variants can be checked.
+INPUT_OPTIONS = {"fused_residual_rmsnorm_backward": {"consistent": True}}
 
-def register(problem_name: str, impl_name: str):
+
+def register(problem_name: str, impl_name: str, **cost_options):
     def add(factory):
-        IMPLEMENTATIONS[problem_name][impl_name] = factory
+        IMPLEMENTATIONS[problem_name][impl_name] = (factory, cost_options)
         return factory
     return add
 
@@ -66,6 +72,48 @@ def _ours_013(problem):
     return fused_residual_rmsnorm_backward
 
 
+@register("fused_residual_rmsnorm_backward", "cutebwd n=None", read_normalized=False)
+def _ours_013_recompute(problem):
+    from cutebwd.kernels.rmsnorm_backward import fused_residual_rmsnorm_backward
+
+    return lambda go, x, normalized, rstd, weight: fused_residual_rmsnorm_backward(go, x, None, rstd, weight)
+
+
+# Peers for 013 (present only where their packages are installed). Both recompute x * rstd,
+# so they are held to the 10-byte speed of light like `cutebwd n=None`.
+@register("fused_residual_rmsnorm_backward", "quack", read_normalized=False)
+def _quack_013(problem):
+    """quack's CuTe DSL RMSNorm backward with bf16 dx and a bf16 dresidual output (the same values)."""
+    from quack.rmsnorm import _rmsnorm_bwd, get_sm_count
+
+    def run(go, x, normalized, rstd, weight):
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
+        sm_count = get_sm_count(hidden, x.device)
+        dx = torch.empty((rows, hidden), dtype=torch.bfloat16, device=x.device)
+        dresidual = torch.empty_like(dx)
+        dw_partial = torch.empty((sm_count, hidden), dtype=torch.float32, device=x.device)
+        _rmsnorm_bwd(x.view(rows, hidden), weight, go.reshape(rows, hidden), rstd.view(rows), dx, dw_partial,
+                     None, None, dresidual, sm_count)
+        return dx.view(go.shape), dresidual.view(go.shape), dw_partial.sum(0)
+    return run
+
+
+@register("fused_residual_rmsnorm_backward", "liger", read_normalized=False)
+def _liger_013(problem):
+    """Liger's Triton RMSNorm backward (fp32 'gemma' casting, not in place: dx into a zeroed
+    bf16 buffer); it has one dx output, returned for both gradients."""
+    from liger_kernel.ops.rms_norm import _str_to_casting_mode, rms_norm_backward
+    from liger_kernel.ops.utils import calculate_settings
+
+    def run(go, x, normalized, rstd, weight):
+        block, warps = calculate_settings(x.shape[-1])
+        dx, dw = rms_norm_backward(go, x.view(-1, x.shape[-1]), weight, rstd.view(-1), 0.0,
+                                   _str_to_casting_mode["gemma"], block, warps, False, None)
+        return dx, dx, dw
+    return run
+
+
 def _input_bytes(inputs) -> int:
     return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
 
@@ -80,15 +128,20 @@ def _replicate(inputs, copies: int):
 
 
 def bench_case(problem, seq, batch, options, impls, ceilings, seed, log):
-    inputs = problem.make_inputs(batch, seq, device="cuda", seed=seed, **options)
+    inputs = problem.make_inputs(batch, seq, device="cuda", seed=seed,
+                                 **{**INPUT_OPTIONS.get(problem.name, {}), **options})
     expected = problem.run_reference(inputs, fp32_outputs=True)
-    nbytes, flops = problem.cost(batch, seq)
-    sol_ms = 1e3 * sol_seconds((nbytes, flops), *ceilings)
     in_bytes = _input_bytes(inputs)
     arg_sets = _replicate(inputs, timing.copies_to_escape_l2(in_bytes))
     rows = []
-    for impl_name, factory in impls.items():
-        fn = factory(problem)
+    for impl_name, (factory, cost_options) in impls.items():
+        nbytes, flops = problem.cost(batch, seq, **cost_options)
+        sol_ms = 1e3 * sol_seconds((nbytes, flops), *ceilings)
+        try:
+            fn = factory(problem)
+        except ImportError as error:
+            log(f"  {impl_name:<14} not available here ({error})")
+            continue
         start = time.perf_counter()
         outputs = fn(*inputs)
         reports = parity.check_outputs(problem.output_names, outputs, expected, problem.output_dtypes)
