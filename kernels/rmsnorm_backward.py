@@ -20,11 +20,15 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
+
+from . import runtime
 
 VECTOR = 4  # elements per access
 MAX_THREADS = 1024
 TARGET_VECTORS_PER_THREAD = 5  # H = 2560 -> 128 threads x 5 vectors, no predication
+PREFETCH_MAX_BYTES = 56 * 1024  # ring size per CTA: four CTAs per SM still fit
+MAX_STAGES = 4  # H = 2560: 2 stages (51 KB) with normalized, 3 (46 KB) without
 
 
 def _vector(row_tensor, index):
@@ -50,6 +54,11 @@ class FusedResidualRmsNormBackward:
         self.threads = min(MAX_THREADS, max(32, 32 * -(-vectors // (32 * TARGET_VECTORS_PER_THREAD))))
         self.vectors_per_thread = -(-vectors // self.threads)
         self.warps = self.threads // 32
+        # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
+        # to MAX_STAGES): rows in flight per SM are what keep HBM busy. Too big a row: no ring.
+        row_bytes = hidden * (2 + 4 + (4 if read_normalized else 0))
+        self.stages = min(MAX_STAGES, PREFETCH_MAX_BYTES // row_bytes)
+        self.prefetch = self.stages >= 2
 
     @cute.jit
     def __call__(self, grad_output: cute.Tensor, x: cute.Tensor, normalized: cute.Tensor | None,
@@ -70,51 +79,70 @@ class FusedResidualRmsNormBackward:
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tidx % 32, tidx // 32
-        h, vpt, vectors = self.hidden, self.vectors_per_thread, self.hidden // VECTOR
+        h, vpt, threads = self.hidden, self.vectors_per_thread, self.threads
         rows = cute.size(m_x, mode=[0])
+        my_rows = cute.ceil_div(rows - bidx, ctas)  # rows bidx, bidx + ctas, ...; at least one
 
         smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
-
         wide = lambda t: cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), t.element_type,
                                              num_bits_per_copy=VECTOR * t.element_type.width)
         load_bf16, load_f32, store_bf16, store_f32 = wide(m_go), wide(m_x), wide(m_gh), wide(m_part)
+        # Inputs of a row, in the order _fetch_row/_read_row take them.
+        sources = (m_go, m_x, m_norm) if cutlass.const_expr(self.read_normalized) else (m_go, m_x)
 
-        threads = self.threads
         weight = cute.make_rmem_tensor((VECTOR, vpt), Float32)
         grad_weight = cute.make_rmem_tensor((VECTOR, vpt), Float32)
         g = cute.make_rmem_tensor((VECTOR, vpt), Float32)
         xs = cute.make_rmem_tensor((VECTOR, vpt), Float32)
+        ns = cute.make_rmem_tensor((VECTOR, vpt), Float32)
         staging_bf16 = cute.make_rmem_tensor((VECTOR,), BFloat16)
         staging_f32 = cute.make_rmem_tensor((VECTOR,), Float32)
-        grad_weight.fill(0.0)
-        weight.fill(0.0)
-        g.fill(0.0)
-        xs.fill(0.0)
+        for t in (grad_weight, weight, g, xs, ns):
+            t.fill(0.0)
         for k in cutlass.range_constexpr(vpt):
-            if tidx + k * threads < vectors:  # uneven rows leave the last vectors idle
+            if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                 cute.copy(load_f32, _vector(m_w, tidx + k * threads), staging_f32)
                 weight[None, k].store(staging_f32.load())
 
-        for it in cutlass.range(0, cute.ceil_div(rows - bidx, ctas)):
+        if cutlass.const_expr(self.prefetch):
+            # Ring in shared memory: rows it + 1 .. it + S - 1 stream in (cp.async) while row it is
+            # computed. Each thread copies and later reads only its own vectors, so the ring
+            # needs no barrier, just the thread's own cp.async groups (one per row).
+            ring = self.stages
+            stages = tuple(smem.allocate_tensor(t.element_type, cute.make_layout((h, ring)), byte_alignment=16)
+                           for t in sources)
+            fetches = (cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=64),
+                       cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                           Float32, num_bits_per_copy=128))
+            for j in cutlass.range_constexpr(ring - 1):
+                if j < my_rows:
+                    _fetch_row(fetches, sources, stages, bidx + j * ctas, j, tidx, threads, vpt, h // VECTOR)
+                cute.arch.cp_async_commit_group()
+
+        for it in cutlass.range(0, my_rows):
             row = bidx + it * ctas
             rstd = m_rstd[row]
+            if cutlass.const_expr(self.prefetch):
+                # The slot refilled here held row it - 1, which this thread has already read.
+                if it + ring - 1 < my_rows:
+                    _fetch_row(fetches, sources, stages, row + (ring - 1) * ctas, (it + ring - 1) % ring,
+                               tidx, threads, vpt, h // VECTOR)
+                cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per row
+                cute.arch.cp_async_wait_group(ring - 1)  # this row's group has landed
+                _read_row((load_bf16, load_f32), tuple(s[None, it % ring] for s in stages), (g, xs, ns),
+                          tidx, threads, vpt, h // VECTOR)
+            else:
+                _read_row((load_bf16, load_f32), tuple(s[row, None] for s in sources), (g, xs, ns),
+                          tidx, threads, vpt, h // VECTOR)
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
-                if tidx + k * threads < vectors:  # uneven rows leave the last vectors idle
-                    cute.copy(load_bf16, _vector(m_go[row, None], tidx + k * threads), staging_bf16)
-                    g[None, k].store(staging_bf16.load().to(Float32))
-                    cute.copy(load_f32, _vector(m_x[row, None], tidx + k * threads), staging_f32)
-                    xs[None, k].store(staging_f32.load())
-                    if cutlass.const_expr(self.read_normalized):
-                        cute.copy(load_f32, _vector(m_norm[row, None], tidx + k * threads), staging_f32)
-                        normalized = staging_f32.load()
-                    else:
-                        normalized = xs[None, k].load() * rstd
-                    gk = g[None, k].load()
-                    grad_weight[None, k].store(grad_weight[None, k].load() + gk * normalized)
-                    dot += (gk * weight[None, k].load() * xs[None, k].load()).reduce(
-                        cute.ReductionOp.ADD, Float32(0.0), 0)
+                gk, xk = g[None, k].load(), xs[None, k].load()
+                normalized = xk * rstd
+                if cutlass.const_expr(self.read_normalized):
+                    normalized = ns[None, k].load()
+                grad_weight[None, k].store(grad_weight[None, k].load() + gk * normalized)
+                dot += (gk * weight[None, k].load() * xk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
             parity = it % 2
             if lane == 0:
@@ -126,7 +154,7 @@ class FusedResidualRmsNormBackward:
                 total += warp_sums[w, parity]
             scale = rstd * rstd * total * (1.0 / h)
             for k in cutlass.range_constexpr(vpt):
-                if tidx + k * threads < vectors:  # uneven rows leave the last vectors idle
+                if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                     gk, xk = g[None, k].load(), xs[None, k].load()
                     dx = (rstd * (gk * weight[None, k].load() - xk * scale)).to(BFloat16)
                     staging_bf16.store(dx)
@@ -136,9 +164,34 @@ class FusedResidualRmsNormBackward:
         # Let the column sum launch now; its griddepcontrol.wait still waits for these partials.
         cute.arch.griddepcontrol_launch_dependents()
         for k in cutlass.range_constexpr(vpt):
-            if tidx + k * threads < vectors:  # uneven rows leave the last vectors idle
+            if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                 staging_f32.store(grad_weight[None, k].load())
                 cute.copy(store_f32, staging_f32, _vector(m_part[bidx, None], tidx + k * threads))
+
+
+@cute.jit
+def _fetch_row(fetches, sources, stages, row, stage, tidx, threads: cutlass.Constexpr, vpt: cutlass.Constexpr,
+               vectors: cutlass.Constexpr):
+    """cp.async this thread's vectors of `row` of each source into ring slot `stage`."""
+    for k in cutlass.range_constexpr(vpt):
+        if tidx + k * threads < vectors:
+            for src, dst in zip(sources, stages):
+                atom = fetches[0] if cutlass.const_expr(src.element_type == BFloat16) else fetches[1]
+                cute.copy(atom, _vector(src[row, None], tidx + k * threads), _vector(dst[None, stage], tidx + k * threads))
+
+
+@cute.jit
+def _read_row(loads, rows, values, tidx, threads: cutlass.Constexpr, vpt: cutlass.Constexpr,
+              vectors: cutlass.Constexpr):
+    """This thread's vectors of one row (grad_output, x[, normalized]) into fp32 registers;
+    vectors past the row end stay as filled (zero)."""
+    staging = (cute.make_rmem_tensor((VECTOR,), BFloat16), cute.make_rmem_tensor((VECTOR,), Float32))
+    for k in cutlass.range_constexpr(vpt):
+        if tidx + k * threads < vectors:
+            for src, dst in zip(rows, values):
+                which = 0 if cutlass.const_expr(src.element_type == BFloat16) else 1
+                cute.copy(loads[which], _vector(src, tidx + k * threads), staging[which])
+                dst[None, k].store(staging[which].load().to(Float32))
 
 
 class ColumnSum:
@@ -195,8 +248,6 @@ def _fake_args(hidden: int, read_normalized: bool):
     """Compile-time stand-ins for the call's tensors. batch and seq are shared symbols, so each
     call checks in C that every [b, s, ...] tensor agrees; strides are free (multiples of VECTOR
     elements, so every row start is vector aligned); H is static."""
-    from . import runtime
-
     batch, seq, ctas = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     row_strides = lambda: (cute.sym_int64(divisibility=VECTOR), cute.sym_int64(divisibility=VECTOR), 1)
     rows_of = lambda dtype: runtime.fake_tensor(dtype, (batch, seq, hidden), row_strides(),
@@ -211,8 +262,6 @@ def _fake_args(hidden: int, read_normalized: bool):
 
 def _builds(hidden: int, read_normalized: bool, arch: str, dump_dir=None):
     """The two compiled kernels for one hidden size; batch, seq and strides are runtime values."""
-    from . import runtime
-
     backward_args, column_sum_args = _fake_args(hidden, read_normalized)
     stream = runtime.env_stream()
     backward = runtime.compile_kernel(
@@ -270,8 +319,6 @@ class _Entry:
 
     def __init__(self, hidden: int, read_normalized: bool, device):
         import torch
-
-        from . import runtime
 
         self.device = device
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
@@ -338,5 +385,8 @@ AUDIT_BUILDS = {
     for h, rn in ((2560, True), (2560, False), (1000, True))
 }
 AUDIT_BUILDS["column_sum[H=2560]"] = lambda arch, dump_dir: _builds(2560, True, arch, dump_dir)[1]
-# 128-bit loads of x/normalized/weight and stores of the partials; no local-memory spills.
-AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in ("sm_90a", "sm_100a")}
+# Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no
+# local-memory spills, no atomics (grad_weight's order is fixed).
+AUDIT_EXPECTS = {arch: {"require": ["LDG.128", "LDGSTS"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}
+AUDIT_EXPECTS_BY_BUILD = {"column_sum[H=2560]": {arch: {"require": ["LDG.128", "STG.128"], "forbid": ["LOCAL", "ATOM/RED"]}
+                                                 for arch in runtime.ARCHES}}

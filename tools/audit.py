@@ -22,10 +22,11 @@ import time
 
 from cutebwd.kernels.runtime import ARCHES
 
-# Families shown in the table, in order. LDG.n / STG.n are global loads/stores n bits wide.
+# Families shown in the table, in order. LDG.n / STG.n are global loads/stores n bits wide;
+# LDGSTS is cp.async (global to shared without registers).
 FAMILIES = ("HGMMA", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM", "STTM", "LDG.128", "LDG.64",
             "LDG.32", "LDG.16", "LDG.8", "STG.128", "STG.64", "STG.32", "STG.16", "STG.8",
-            "LDS", "STS", "SHFL", "ATOM/RED", "LOCAL")
+            "LDGSTS", "LDS", "STS", "SHFL", "ATOM/RED", "LOCAL")
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -67,7 +68,7 @@ def family_of(opcode: str) -> str | None:
         return "HGMMA"
     if base.startswith("UTC") and "MMA" in base:
         return "UTCMMA"
-    if base in ("UTMALDG", "UTMASTG", "LDTM", "STTM", "LDS", "STS", "SHFL"):
+    if base in ("UTMALDG", "UTMASTG", "LDTM", "STTM", "LDGSTS", "LDS", "STS", "SHFL"):
         return base
     if base in ("LDG", "STG"):
         return f"{base}.{_access_width(opcode)}"
