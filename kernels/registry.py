@@ -2,8 +2,7 @@
 
 A kernel module declares `AUDIT_BUILDS` ({name: build(arch, dump_dir) -> compiled}) and
 `AUDIT_EXPECTS` ({arch: {"require": [families], "forbid": [families]}}), families as
-tools/audit.py names them; `AUDIT_EXPECTS_BY_BUILD` ({build name: the same}) overrides it for
-builds of a different kind (a helper kernel in the same module). Adding a kernel to the audit (and so to its test) is one line here.
+tools/audit.py names them. Adding a kernel to the audit (and so to its test) is one line here.
 """
 from . import rmsnorm_backward, row_rstd
 
@@ -14,4 +13,4 @@ def audit_builds():
     """(build name, build function, expectations per arch) for every registered kernel."""
     for module in KERNEL_MODULES:
         for name, build in module.AUDIT_BUILDS.items():
-            yield name, build, getattr(module, "AUDIT_EXPECTS_BY_BUILD", {}).get(name, module.AUDIT_EXPECTS)
+            yield name, build, module.AUDIT_EXPECTS

@@ -20,7 +20,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 
 from . import runtime
 
@@ -59,18 +59,25 @@ class FusedResidualRmsNormBackward:
         row_bytes = hidden * (2 + 4 + (4 if read_normalized else 0))
         self.stages = min(MAX_STAGES, PREFETCH_MAX_BYTES // row_bytes)
         self.prefetch = self.stages >= 2
+        self.column_sum = ColumnSum(hidden)
 
     @cute.jit
     def __call__(self, grad_output: cute.Tensor, x: cute.Tensor, normalized: cute.Tensor | None,
                  rstd: cute.Tensor, weight: cute.Tensor, grad_hidden: cute.Tensor,
-                 grad_residual: cute.Tensor, partials: cute.Tensor, stream: cuda.CUstream):
+                 grad_residual: cute.Tensor, grad_weight: cute.Tensor, workspace: cute.Tensor,
+                 ctas: Int32, stream: cuda.CUstream):
+        """Both launches in one host function, so one FFI call: the row kernel writes `ctas`
+        partial rows of `workspace`, the column sum adds them into grad_weight."""
         # normalized=None: the kernel never reads it (read_normalized is False); x stands in.
         m_norm = _rows(x)
         if cutlass.const_expr(normalized is not None):
             m_norm = _rows(normalized)
+        partials = cute.make_tensor(workspace.iterator, cute.make_layout(
+            (ctas, self.hidden), stride=(cute.assume(workspace.stride[0], divby=VECTOR), 1)))
         self.kernel(_rows(grad_output), _rows(x), m_norm, _rows(rstd)[None, 0], weight,
                     _rows(grad_hidden), _rows(grad_residual), partials).launch(
-            grid=[partials.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.column_sum(partials, grad_weight, stream)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_norm: cute.Tensor, m_rstd: cute.Tensor,
@@ -258,29 +265,25 @@ def _fake_args(hidden: int, read_normalized: bool):
     """Compile-time stand-ins for the call's tensors. batch and seq are shared symbols, so each
     call checks in C that every [b, s, ...] tensor agrees; strides are free (multiples of VECTOR
     elements, so every row start is vector aligned); H is static."""
-    batch, seq, ctas = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    batch, seq, workspace_rows = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     row_strides = lambda: (cute.sym_int64(divisibility=VECTOR), cute.sym_int64(divisibility=VECTOR), 1)
     rows_of = lambda dtype: runtime.fake_tensor(dtype, (batch, seq, hidden), row_strides(),
                                                 VECTOR * dtype.width // 8)
     rstd = runtime.fake_tensor(Float32, (batch, seq, 1), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
     weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
-    partials = runtime.fake_tensor(Float32, (ctas, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
+    workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     normalized = rows_of(Float32) if read_normalized else None
     return (rows_of(BFloat16), rows_of(Float32), normalized, rstd, weight, rows_of(BFloat16),
-            rows_of(BFloat16), partials), (partials, weight)
+            rows_of(BFloat16), weight, workspace, Int32(1))
 
 
-def _builds(hidden: int, read_normalized: bool, arch: str, dump_dir=None):
-    """The two compiled kernels for one hidden size; batch, seq and strides are runtime values."""
-    backward_args, column_sum_args = _fake_args(hidden, read_normalized)
-    stream = runtime.env_stream()
-    backward = runtime.compile_kernel(
+def _build(hidden: int, read_normalized: bool, arch: str, dump_dir=None):
+    """The compiled op for one hidden size (row kernel + column sum, one host function);
+    batch, seq, strides and the CTA count are runtime values."""
+    return runtime.compile_kernel(
         ("fused_residual_rmsnorm_backward", hidden, read_normalized),
-        FusedResidualRmsNormBackward(hidden, read_normalized), *backward_args, stream,
-        arch=arch, dump_dir=dump_dir, tvm_ffi=True)
-    column_sum = runtime.compile_kernel(("column_sum", hidden), ColumnSum(hidden), *column_sum_args, stream,
-                                        arch=arch, dump_dir=dump_dir, tvm_ffi=True)
-    return backward, column_sum
+        FusedResidualRmsNormBackward(hidden, read_normalized), *_fake_args(hidden, read_normalized),
+        runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
 def _check_inputs(grad_output, x, normalized, rstd, weight):
@@ -330,10 +333,25 @@ class _Entry:
     def __init__(self, hidden: int, read_normalized: bool, device):
         import torch
 
-        self.device = device
+        self.device, self.hidden = device, hidden
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-        backward, column_sum = _builds(hidden, read_normalized, runtime.device_arch(device.index))
-        self.backward, self.column_sum = runtime.ffi_function(backward), runtime.ffi_function(column_sum)
+        self.run = runtime.ffi_function(_build(hidden, read_normalized, runtime.device_arch(device.index)))
+        self._workspaces = {}  # raw CUDA stream -> [max_ctas, H] fp32 partials
+
+    def workspace(self):
+        """The partial-sum rows for a launch on the current stream. One buffer per stream is
+        reused (calls on one stream run in order, so they never overlap); under CUDA-graph
+        capture a fresh one comes from the graph's pool, so replays own their memory."""
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty((self.max_ctas, self.hidden), dtype=torch.float32, device=self.device)
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        buffer = self._workspaces.get(stream)
+        if buffer is None:
+            buffer = torch.empty((self.max_ctas, self.hidden), dtype=torch.float32, device=self.device)
+            self._workspaces[stream] = buffer
+        return buffer
 
 
 _entries: dict = {}
@@ -349,9 +367,10 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     of 14). out=(grad_hidden_states, grad_residual, grad_weight) writes into the caller's
     tensors. grad_weight is bitwise repeatable: per-CTA partial sums added in a fixed order.
 
-    Host cost: one dict lookup, the output allocations and two TVM-FFI launches, which check
-    dtypes, shapes, strides, alignment and device in C; the Python checks run on a shape's
-    first call and to explain a rejected call.
+    Host cost: one dict lookup, the output allocations (none with out=) and one TVM-FFI call,
+    which checks dtypes, shapes, strides, alignment and device in C and makes both launches;
+    the Python checks run on a shape's first call and to explain a rejected call. Each CUDA
+    stream keeps a [4 x SMs, H] fp32 workspace for the partial sums (5.4 MB at H = 2560).
     """
     import torch
 
@@ -377,10 +396,9 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
         _check_out(out, x)
         grad_weight.zero_()
         return out
-    partials = torch.empty((min(rows, entry.max_ctas), hidden), dtype=torch.float32, device=entry.device)
     try:
-        entry.backward(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, partials)
-        entry.column_sum(partials, grad_weight)
+        entry.run(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
+                  entry.workspace(), min(rows, entry.max_ctas))
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, x, normalized, rstd, weight)
@@ -391,12 +409,9 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
 
 AUDIT_BUILDS = {
     f"fused_residual_rmsnorm_backward[H={h},{'normalized' if rn else 'normalized=None'}]":
-        (lambda arch, dump_dir, h=h, rn=rn: _builds(h, rn, arch, dump_dir)[0])
+        (lambda arch, dump_dir, h=h, rn=rn: _build(h, rn, arch, dump_dir))
     for h, rn in ((2560, True), (2560, False), (1000, True))
 }
-AUDIT_BUILDS["column_sum[H=2560]"] = lambda arch, dump_dir: _builds(2560, True, arch, dump_dir)[1]
 # Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no
 # local-memory spills, no atomics (grad_weight's order is fixed).
 AUDIT_EXPECTS = {arch: {"require": ["LDG.128", "LDGSTS"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}
-AUDIT_EXPECTS_BY_BUILD = {"column_sum[H=2560]": {arch: {"require": ["LDG.128", "STG.128"], "forbid": ["LOCAL", "ATOM/RED"]}
-                                                 for arch in runtime.ARCHES}}
