@@ -6,13 +6,15 @@
     grad_weight = sum over rows of fp32(grad_output) * normalized   (normalized = x * rstd if not given)
 
 Work split: a persistent grid of CTAs strides over the rows; a CTA owns one row at a time,
-each thread a fixed set of 4-wide column vectors (16-byte fp32 / 8-byte bf16 accesses),
-so the row's values stay in registers between the dot product and the gradient (one read of
-each input). The dot product is a warp shuffle plus a shared-memory exchange between warps,
+each thread a fixed set of 4-wide column vectors (16-byte fp32 / 8-byte bf16 accesses).
+The next rows stream into a shared-memory ring by cp.async while the current one is
+computed, and the row's values stay in registers between the dot product and the gradient
+(one read of each input). The dot product is a warp shuffle plus a shared-memory exchange between warps,
 double-buffered by row parity so one barrier per row suffices. Because a thread's columns
 never change, it accumulates grad_weight for them in registers across all its CTA's rows;
 each CTA writes one fp32 partial row, and `ColumnSum` adds the partials in a fixed order:
-no float atomics, so grad_weight is bitwise repeatable.
+no float atomics, so grad_weight is bitwise repeatable. Both launches come from one host
+function, so a call is one TVM-FFI call.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import cutlass.memory
 from cutlass import BFloat16, Float32, Int32
 
 from . import runtime
+from .column_sum import ColumnSum
 
 VECTOR = 4  # elements per access
 MAX_THREADS = 1024
@@ -199,62 +202,6 @@ def _read_row(loads, rows, values, tidx, threads: cutlass.Constexpr, vpt: cutlas
                 which = 0 if cutlass.const_expr(src.element_type == BFloat16) else 1
                 cute.copy(loads[which], _vector(src, tidx + k * threads), staging[which])
                 dst[None, k].store(staging[which].load().to(Float32))
-
-
-class ColumnSum:
-    """out[j] = sum_i partials[i, j] in a fixed order, so the result is bitwise repeatable.
-
-    A CTA owns LINE_VECTORS column vectors (one 128-byte line per partial row) and spreads the
-    partial rows over 64 streams: ROW_LANES row lanes in each of WARPS warps, stream s adding
-    rows s, s + 64, ... in order. The streams combine by a butterfly within the warp, then
-    warp 0 adds the warps in warp order. Many CTAs each walking a few rows: the ~500 partial
-    rows of a persistent grid cost about two round trips to L2. Launched with programmatic
-    dependent launch: it starts while the backward kernel drains and waits on griddepcontrol.
-    """
-
-    WARPS = 16
-    LINE_VECTORS = 8  # 8 x 16 bytes: a 128-byte line of one partial row
-    ROW_LANES = 32 // LINE_VECTORS
-
-    def __init__(self, hidden: int):
-        self.hidden = hidden
-
-    @cute.jit
-    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
-        self.kernel(partials, out).launch(grid=[cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1, 1],
-                                          block=[32 * self.WARPS, 1, 1], stream=stream, use_pdl=True)
-
-    @cute.kernel
-    def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane, warp = tidx % 32, tidx // 32
-        column, row_lane = lane % self.LINE_VECTORS, lane // self.LINE_VECTORS
-        v = bidx * self.LINE_VECTORS + column
-        streams = self.WARPS * self.ROW_LANES
-        smem = cutlass.memory.SmemAllocator()
-        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, self.LINE_VECTORS, self.WARPS)),
-                                         byte_alignment=16)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=VECTOR * 32)
-        acc = cute.make_rmem_tensor((VECTOR,), Float32)
-        staging = cute.make_rmem_tensor((VECTOR,), Float32)
-        acc.fill(0.0)
-        cute.arch.griddepcontrol_wait()  # the partials are complete and visible past this point
-        if v < self.hidden // VECTOR:
-            for i in cutlass.range(warp * self.ROW_LANES + row_lane, m_part.shape[0], streams, unroll=4):
-                cute.copy(atom, _vector(m_part[i, None], v), staging)
-                acc.store(acc.load() + staging.load())
-        for offset in cutlass.range_constexpr(self.ROW_LANES.bit_length() - 1):
-            for e in cutlass.range_constexpr(VECTOR):
-                acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], self.LINE_VECTORS << offset)
-        if row_lane == 0:
-            warp_sums[None, column, warp].store(acc.load())
-        cute.arch.barrier()
-        if warp == 0 and row_lane == 0 and v < self.hidden // VECTOR:
-            acc.fill(0.0)
-            for w in cutlass.range_constexpr(self.WARPS):
-                acc.store(acc.load() + warp_sums[None, column, w].load())
-            cute.copy(atom, acc, _vector(m_out, v))
 
 
 CTAS_PER_SM = 4  # 128 threads x ~100 registers: four CTAs (four rows in flight) per SM

@@ -1,0 +1,75 @@
+"""Fixed-order column sums of fp32 partial rows: out[j] = sum_i partials[i, j].
+
+The deterministic second half of a weight-gradient reduction: kernels write one fp32 partial
+row per CTA (no float atomics), and this adds them in an order that depends only on the
+partial count, so the result is bitwise repeatable run to run.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+from cutlass import Float32
+
+VECTOR = 4  # fp32 elements per 16-byte access
+
+
+def _vector(row_tensor, index):
+    return cute.zipped_divide(row_tensor, (VECTOR,))[None, index]
+
+
+class ColumnSum:
+    """out[j] = sum_i partials[i, j], hidden a multiple of VECTOR.
+
+    A CTA owns LINE_VECTORS column vectors (one 128-byte line per partial row) and spreads the
+    partial rows over 64 streams: ROW_LANES row lanes in each of WARPS warps, stream s adding
+    rows s, s + 64, ... in order. The streams combine by a butterfly within the warp, then
+    warp 0 adds the warps in warp order. Many CTAs each walking a few rows: the ~500 partial
+    rows of a persistent grid cost about two round trips to L2. Launched with programmatic
+    dependent launch: it starts while the backward kernel drains and waits on griddepcontrol.
+    """
+
+    WARPS = 16
+    LINE_VECTORS = 8  # 8 x 16 bytes: a 128-byte line of one partial row
+    ROW_LANES = 32 // LINE_VECTORS
+
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+
+    @cute.jit
+    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
+        self.kernel(partials, out).launch(grid=[cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1, 1],
+                                          block=[32 * self.WARPS, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane, warp = tidx % 32, tidx // 32
+        column, row_lane = lane % self.LINE_VECTORS, lane // self.LINE_VECTORS
+        v = bidx * self.LINE_VECTORS + column
+        streams = self.WARPS * self.ROW_LANES
+        smem = cutlass.memory.SmemAllocator()
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, self.LINE_VECTORS, self.WARPS)),
+                                         byte_alignment=16)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=VECTOR * 32)
+        acc = cute.make_rmem_tensor((VECTOR,), Float32)
+        staging = cute.make_rmem_tensor((VECTOR,), Float32)
+        acc.fill(0.0)
+        cute.arch.griddepcontrol_wait()  # the partials are complete and visible past this point
+        if v < self.hidden // VECTOR:
+            for i in cutlass.range(warp * self.ROW_LANES + row_lane, m_part.shape[0], streams, unroll=4):
+                cute.copy(atom, _vector(m_part[i, None], v), staging)
+                acc.store(acc.load() + staging.load())
+        for offset in cutlass.range_constexpr(self.ROW_LANES.bit_length() - 1):
+            for e in cutlass.range_constexpr(VECTOR):
+                acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], self.LINE_VECTORS << offset)
+        if row_lane == 0:
+            warp_sums[None, column, warp].store(acc.load())
+        cute.arch.barrier()
+        if warp == 0 and row_lane == 0 and v < self.hidden // VECTOR:
+            acc.fill(0.0)
+            for w in cutlass.range_constexpr(self.WARPS):
+                acc.store(acc.load() + warp_sums[None, column, w].load())
+            cute.copy(atom, acc, _vector(m_out, v))
