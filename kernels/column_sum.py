@@ -12,11 +12,7 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import Float32
 
-VECTOR = 4  # fp32 elements per 16-byte access
-
-
-def _vector(row_tensor, index):
-    return cute.zipped_divide(row_tensor, (VECTOR,))[None, index]
+from .rows import VECTOR, vector, wide_copy
 
 
 class ColumnSum:
@@ -53,14 +49,14 @@ class ColumnSum:
         smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, self.LINE_VECTORS, self.WARPS)),
                                          byte_alignment=16)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=VECTOR * 32)
+        atom = wide_copy(Float32)
         acc = cute.make_rmem_tensor((VECTOR,), Float32)
         staging = cute.make_rmem_tensor((VECTOR,), Float32)
         acc.fill(0.0)
         cute.arch.griddepcontrol_wait()  # the partials are complete and visible past this point
         if v < self.hidden // VECTOR:
             for i in cutlass.range(warp * self.ROW_LANES + row_lane, m_part.shape[0], streams, unroll=4):
-                cute.copy(atom, _vector(m_part[i, None], v), staging)
+                cute.copy(atom, vector(m_part[i, None], v), staging)
                 acc.store(acc.load() + staging.load())
         for offset in cutlass.range_constexpr(self.ROW_LANES.bit_length() - 1):
             for e in cutlass.range_constexpr(VECTOR):
@@ -72,4 +68,4 @@ class ColumnSum:
             acc.fill(0.0)
             for w in cutlass.range_constexpr(self.WARPS):
                 acc.store(acc.load() + warp_sums[None, column, w].load())
-            cute.copy(atom, acc, _vector(m_out, v))
+            cute.copy(atom, acc, vector(m_out, v))

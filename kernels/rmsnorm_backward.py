@@ -26,25 +26,12 @@ from cutlass import BFloat16, Float32, Int32
 
 from . import runtime
 from .column_sum import ColumnSum
+from .rows import VECTOR, read_row, row_sum, rows_view, vector, wide_copy
 
-VECTOR = 4  # elements per access
 MAX_THREADS = 1024
 TARGET_VECTORS_PER_THREAD = 5  # H = 2560 -> 128 threads x 5 vectors, no predication
 PREFETCH_MAX_BYTES = 56 * 1024  # ring size per CTA: four CTAs per SM still fit
 MAX_STAGES = 4  # H = 2560: 2 stages (51 KB) with normalized, 3 (46 KB) without
-
-
-def _vector(row_tensor, index):
-    """Column vector `index` (VECTOR wide) of a row."""
-    return cute.zipped_divide(row_tensor, (VECTOR,))[None, index]
-
-
-def _rows(t):
-    """A [batch, seq, ...] tensor seen as [(seq, batch), ...]: one linear row index r = s + seq * b
-    walks both modes through the tensor's own strides (any batch/seq strides work)."""
-    shape, stride = t.shape, t.stride
-    return cute.make_tensor(t.iterator, cute.make_layout(((shape[1], shape[0]), *shape[2:]),
-                                                         stride=((stride[1], stride[0]), *stride[2:])))
 
 
 class FusedResidualRmsNormBackward:
@@ -72,13 +59,13 @@ class FusedResidualRmsNormBackward:
         """Both launches in one host function, so one FFI call: the row kernel writes `ctas`
         partial rows of `workspace`, the column sum adds them into grad_weight."""
         # normalized=None: the kernel never reads it (read_normalized is False); x stands in.
-        m_norm = _rows(x)
+        m_norm = rows_view(x)
         if cutlass.const_expr(normalized is not None):
-            m_norm = _rows(normalized)
+            m_norm = rows_view(normalized)
         partials = cute.make_tensor(workspace.iterator, cute.make_layout(
             (ctas, self.hidden), stride=(cute.assume(workspace.stride[0], divby=VECTOR), 1)))
-        self.kernel(_rows(grad_output), _rows(x), m_norm, _rows(rstd)[None, 0], weight,
-                    _rows(grad_hidden), _rows(grad_residual), partials).launch(
+        self.kernel(rows_view(grad_output), rows_view(x), m_norm, rows_view(rstd)[None, 0], weight,
+                    rows_view(grad_hidden), rows_view(grad_residual), partials).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
         self.column_sum(partials, grad_weight, stream)
 
@@ -95,9 +82,8 @@ class FusedResidualRmsNormBackward:
 
         smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
-        wide = lambda t: cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), t.element_type,
-                                             num_bits_per_copy=VECTOR * t.element_type.width)
-        load_bf16, load_f32, store_bf16, store_f32 = wide(m_go), wide(m_x), wide(m_gh), wide(m_part)
+        load_bf16, load_f32 = wide_copy(BFloat16), wide_copy(Float32)
+        store_bf16, store_f32 = load_bf16, load_f32
         # Inputs of a row, in the order _fetch_row/_read_row take them.
         sources = (m_go, m_x, m_norm) if cutlass.const_expr(self.read_normalized) else (m_go, m_x)
 
@@ -112,7 +98,7 @@ class FusedResidualRmsNormBackward:
             t.fill(0.0)
         for k in cutlass.range_constexpr(vpt):
             if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
-                cute.copy(load_f32, _vector(m_w, tidx + k * threads), staging_f32)
+                cute.copy(load_f32, vector(m_w, tidx + k * threads), staging_f32)
                 weight[None, k].store(staging_f32.load())
 
         if cutlass.const_expr(self.prefetch):
@@ -140,10 +126,10 @@ class FusedResidualRmsNormBackward:
                                tidx, threads, vpt, h // VECTOR)
                 cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per row
                 cute.arch.cp_async_wait_group(ring - 1)  # this row's group has landed
-                _read_row((load_bf16, load_f32), tuple(s[None, it % ring] for s in stages), (g, xs, ns),
+                read_row((load_bf16, load_f32), tuple(s[None, it % ring] for s in stages), (g, xs, ns),
                           tidx, threads, vpt, h // VECTOR)
             else:
-                _read_row((load_bf16, load_f32), tuple(s[row, None] for s in sources), (g, xs, ns),
+                read_row((load_bf16, load_f32), tuple(s[row, None] for s in sources), (g, xs, ns),
                           tidx, threads, vpt, h // VECTOR)
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
@@ -153,30 +139,22 @@ class FusedResidualRmsNormBackward:
                     normalized = ns[None, k].load()
                 grad_weight[None, k].store(grad_weight[None, k].load() + gk * normalized)
                 dot += (gk * weight[None, k].load() * xk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
-            parity = it % 2
-            if lane == 0:
-                warp_sums[warp, parity] = dot
-            cute.arch.barrier()
-            # Every thread sums the warps in the same order: the row's dot is identical everywhere.
-            total = Float32(0.0)
-            for w in cutlass.range_constexpr(self.warps):
-                total += warp_sums[w, parity]
+            total = row_sum(dot, warp_sums, it % 2, lane, warp, self.warps)
             scale = rstd * rstd * total * (1.0 / h)
             for k in cutlass.range_constexpr(vpt):
                 if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                     gk, xk = g[None, k].load(), xs[None, k].load()
                     dx = (rstd * (gk * weight[None, k].load() - xk * scale)).to(BFloat16)
                     staging_bf16.store(dx)
-                    cute.copy(store_bf16, staging_bf16, _vector(m_gh[row, None], tidx + k * threads))
-                    cute.copy(store_bf16, staging_bf16, _vector(m_gr[row, None], tidx + k * threads))
+                    cute.copy(store_bf16, staging_bf16, vector(m_gh[row, None], tidx + k * threads))
+                    cute.copy(store_bf16, staging_bf16, vector(m_gr[row, None], tidx + k * threads))
 
         # Let the column sum launch now; its griddepcontrol.wait still waits for these partials.
         cute.arch.griddepcontrol_launch_dependents()
         for k in cutlass.range_constexpr(vpt):
             if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                 staging_f32.store(grad_weight[None, k].load())
-                cute.copy(store_f32, staging_f32, _vector(m_part[bidx, None], tidx + k * threads))
+                cute.copy(store_f32, staging_f32, vector(m_part[bidx, None], tidx + k * threads))
 
 
 @cute.jit
@@ -187,21 +165,7 @@ def _fetch_row(fetches, sources, stages, row, stage, tidx, threads: cutlass.Cons
         if tidx + k * threads < vectors:
             for src, dst in zip(sources, stages):
                 atom = fetches[0] if cutlass.const_expr(src.element_type == BFloat16) else fetches[1]
-                cute.copy(atom, _vector(src[row, None], tidx + k * threads), _vector(dst[None, stage], tidx + k * threads))
-
-
-@cute.jit
-def _read_row(loads, rows, values, tidx, threads: cutlass.Constexpr, vpt: cutlass.Constexpr,
-              vectors: cutlass.Constexpr):
-    """This thread's vectors of one row (grad_output, x[, normalized]) into fp32 registers;
-    vectors past the row end stay as filled (zero)."""
-    staging = (cute.make_rmem_tensor((VECTOR,), BFloat16), cute.make_rmem_tensor((VECTOR,), Float32))
-    for k in cutlass.range_constexpr(vpt):
-        if tidx + k * threads < vectors:
-            for src, dst in zip(rows, values):
-                which = 0 if cutlass.const_expr(src.element_type == BFloat16) else 1
-                cute.copy(loads[which], _vector(src, tidx + k * threads), staging[which])
-                dst[None, k].store(staging[which].load().to(Float32))
+                cute.copy(atom, vector(src[row, None], tidx + k * threads), vector(dst[None, stage], tidx + k * threads))
 
 
 CTAS_PER_SM = 4  # 128 threads x ~100 registers: four CTAs (four rows in flight) per SM

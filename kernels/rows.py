@@ -1,0 +1,76 @@
+"""Row-at-a-time building blocks shared by the RMSNorm-backward kernels (013, 087).
+
+A CTA owns one row at a time; thread `tidx` owns column vectors tidx, tidx + threads, ...
+(VECTOR elements each: 16-byte fp32 / 8-byte bf16 accesses), held in registers as fp32
+[VECTOR, vectors_per_thread] tensors. Vectors past the row's end stay zero, so sums over a
+thread's registers need no predicate.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+VECTOR = 4  # elements per access
+
+
+def vector(row_tensor, index):
+    """Column vector `index` (VECTOR wide) of a row."""
+    return cute.zipped_divide(row_tensor, (VECTOR,))[None, index]
+
+
+def rows_view(t):
+    """A [batch, seq, ...] tensor seen as [(seq, batch), ...]: one linear row index r = s + seq * b
+    walks both modes through the tensor's own strides (any batch/seq strides work)."""
+    shape, stride = t.shape, t.stride
+    return cute.make_tensor(t.iterator, cute.make_layout(((shape[1], shape[0]), *shape[2:]),
+                                                         stride=((stride[1], stride[0]), *stride[2:])))
+
+
+def wide_copy(element_type):
+    """A copy atom moving one VECTOR of `element_type` per instruction."""
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), element_type,
+                               num_bits_per_copy=VECTOR * element_type.width)
+
+
+@cute.jit
+def read_row(loads, rows, values, tidx, threads: cutlass.Constexpr, vpt: cutlass.Constexpr,
+             vectors: cutlass.Constexpr):
+    """This thread's vectors of each row in `rows` (bf16 or fp32) into fp32 `values`;
+    `loads` = (bf16 atom, fp32 atom)."""
+    staging = (cute.make_rmem_tensor((VECTOR,), BFloat16), cute.make_rmem_tensor((VECTOR,), Float32))
+    for k in cutlass.range_constexpr(vpt):
+        if tidx + k * threads < vectors:
+            for src, dst in zip(rows, values):
+                which = 0 if cutlass.const_expr(src.element_type == BFloat16) else 1
+                cute.copy(loads[which], vector(src, tidx + k * threads), staging[which])
+                dst[None, k].store(staging[which].load().to(Float32))
+
+
+@cute.jit
+def store_row(atom, values, row, tidx, threads: cutlass.Constexpr, vpt: cutlass.Constexpr,
+              vectors: cutlass.Constexpr):
+    """This thread's fp32 `values` into `row`, converted to the row's element type."""
+    staging = cute.make_rmem_tensor((VECTOR,), row.element_type)
+    for k in cutlass.range_constexpr(vpt):
+        if tidx + k * threads < vectors:
+            staging.store(values[None, k].load().to(row.element_type))
+            cute.copy(atom, staging, vector(row, tidx + k * threads))
+
+
+@cute.jit
+def row_sum(partial, warp_sums, parity, lane, warp, warps: cutlass.Constexpr):
+    """The CTA-wide sum of each thread's `partial` for the current row.
+
+    A warp shuffle, then one shared-memory exchange between warps: `warp_sums` is [warps, 2]
+    and `parity` alternates by row, so one barrier per row suffices. Every thread adds the
+    warps in the same order, so the row's value is identical in every thread.
+    """
+    partial = cute.arch.warp_reduction(partial, lambda a, b: a + b)
+    if lane == 0:
+        warp_sums[warp, parity] = partial
+    cute.arch.barrier()
+    total = Float32(0.0)
+    for w in cutlass.range_constexpr(warps):
+        total += warp_sums[w, parity]
+    return total
