@@ -5,6 +5,8 @@ import, and `cutebwd.references` needs none of it):
 
     cutebwd.rms_rstd(x, eps=1e-6, *, out=None)     row rsqrt(mean(x^2) + eps), fp32
     cutebwd.fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *, out=None)
+    cutebwd.embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weight, *,
+                                       vocab_size=65536, out=None, accumulate=False)
 
 Subpackages: kernels (device code), layouts (tiling), references (plain PyTorch, the
 contract), tools (audit, bench, parity, timing).
@@ -15,6 +17,7 @@ import importlib
 _OPS = {
     "rms_rstd": "cutebwd.kernels.row_rstd",
     "fused_residual_rmsnorm_backward": "cutebwd.kernels.rmsnorm_backward",
+    "embedding_rmsnorm_backward": "cutebwd.kernels.embedding_backward",
 }
 
 __all__ = sorted(_OPS)

@@ -4,9 +4,9 @@ A kernel module declares `AUDIT_BUILDS` ({name: build(arch, dump_dir) -> compile
 `AUDIT_EXPECTS` ({arch: {"require": [families], "forbid": [families]}}), families as
 tools/audit.py names them. Adding a kernel to the audit (and so to its test) is one line here.
 """
-from . import rmsnorm_backward, row_rstd
+from . import embedding_backward, rmsnorm_backward, row_rstd
 
-KERNEL_MODULES = (row_rstd, rmsnorm_backward)
+KERNEL_MODULES = (row_rstd, rmsnorm_backward, embedding_backward)
 
 
 def audit_builds():

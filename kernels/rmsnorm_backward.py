@@ -247,22 +247,8 @@ class _Entry:
         self.device, self.hidden = device, hidden
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self.run = runtime.ffi_function(_build(hidden, read_normalized, runtime.device_arch(device.index)))
-        self._workspaces = {}  # raw CUDA stream -> [max_ctas, H] fp32 partials
-
-    def workspace(self):
-        """The partial-sum rows for a launch on the current stream. One buffer per stream is
-        reused (calls on one stream run in order, so they never overlap); under CUDA-graph
-        capture a fresh one comes from the graph's pool, so replays own their memory."""
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():
-            return torch.empty((self.max_ctas, self.hidden), dtype=torch.float32, device=self.device)
-        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        buffer = self._workspaces.get(stream)
-        if buffer is None:
-            buffer = torch.empty((self.max_ctas, self.hidden), dtype=torch.float32, device=self.device)
-            self._workspaces[stream] = buffer
-        return buffer
+        # partial-sum rows of grad_weight, one buffer per stream
+        self.workspace = runtime.StreamWorkspace(self.max_ctas, hidden, device)
 
 
 _entries: dict = {}
@@ -309,7 +295,7 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
         return out
     try:
         entry.run(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
-                  entry.workspace(), min(rows, entry.max_ctas))
+                  entry.workspace.get(), min(rows, entry.max_ctas))
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, x, normalized, rstd, weight)

@@ -80,6 +80,30 @@ def ffi_function(compiled):
     return compiled.__tvm_ffi_object__()
 
 
+class StreamWorkspace:
+    """A scratch fp32 [rows, cols] buffer per CUDA stream, reused call after call.
+
+    Calls on one stream run in order, so they never overlap on it; another stream gets its
+    own. Under CUDA-graph capture a fresh buffer comes from the graph's pool, so replays own
+    their memory and never race eager calls.
+    """
+
+    def __init__(self, rows: int, cols: int, device):
+        self.shape, self.device = (rows, cols), device
+        self._buffers = {}  # raw CUDA stream handle -> tensor
+
+    def get(self):
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        buffer = self._buffers.get(stream)
+        if buffer is None:
+            buffer = self._buffers[stream] = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        return buffer
+
+
 def fake_tensor(dtype, shape, stride, align: int):
     """A compile-time stand-in for a global-memory tensor: ints are static (checked at each call),
     `cute.sym_int*()` objects dynamic; one SymInt object used twice must match at each call."""

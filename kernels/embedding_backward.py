@@ -1,0 +1,377 @@
+"""L1/087 embedding lookup + RMSNorm backward: the norm backward and a deterministic
+scatter-add of dx into the [V, H] bf16 embedding-gradient table, one FFI call.
+
+    dx_t = rstd_t * (g_t * weight - x_t * rstd_t^2 * sum_j(g_tj weight_j x_tj) / H)
+    table[v] = bf16( [table[v] +] sum over tokens t with id v of dx_t )   (fp32 sum, one rounding)
+    grad_weight = sum over tokens of g_t * x_t * rstd_t
+
+Index pass (host, PyTorch): a stable sort of the ids gives the tokens grouped by id, each
+group in token order, which fixes the order of every fp32 sum: bitwise repeatable.
+
+Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
+walks its range one token row at a time (row in registers, as in 013), adds dx into a running
+fp32 segment sum, and writes a table row when a segment (one id) ends: read-add-round with
+accumulate, plain round without. A segment cut by a range boundary leaves fp32 partial rows
+instead (the tail of the range where it starts, the head of every later range it covers);
+`SegmentFixup` then adds those partials in range order and writes the row once. So one id
+shared by every token (the worst case) spreads over all CTAs like random ids do, and its
+partials are summed by many CTAs, split over columns. grad_weight: per-CTA fp32 partials and
+the fixed-order `ColumnSum`, no float atomics anywhere.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from . import runtime
+from .column_sum import ColumnSum
+from .rows import VECTOR, read_row, row_sum, rows_view, store_row, vector, wide_copy
+
+MAX_THREADS = 1024
+TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
+CTAS_PER_SM = 2  # 256 threads x ~100 registers
+MAX_HIDDEN = 16384
+
+
+def _range(c, tokens, ctas):
+    """First sorted position of range c: floor(c * T / ctas), in 64-bit (c * T may pass 2^31)."""
+    return Int32((Int64(c) * Int64(tokens)) // Int64(ctas))
+
+
+class EmbeddingRmsNormBackward:
+    def __init__(self, hidden: int, accumulate: bool):
+        if hidden % VECTOR:
+            raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
+        self.hidden, self.accumulate = hidden, accumulate
+        vectors = hidden // VECTOR
+        self.threads = min(MAX_THREADS, max(32, 32 * -(-vectors // (32 * TARGET_VECTORS_PER_THREAD))))
+        self.vectors_per_thread = -(-vectors // self.threads)
+        self.warps = self.threads // 32
+        self.fixup = SegmentFixup(hidden, accumulate)
+        self.column_sum = ColumnSum(hidden)
+
+    @cute.jit
+    def __call__(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
+                 weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
+                 grad_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
+        """workspace rows: [0, ctas) grad_weight partials; ctas + 2c and ctas + 2c + 1 the head
+        and tail segment partials of range c."""
+        h = self.hidden
+        row_stride = cute.assume(workspace.stride[0], divby=VECTOR)
+        partials = cute.make_tensor(workspace.iterator, cute.make_layout((ctas, h), stride=(row_stride, 1)))
+        carries = cute.make_tensor(workspace.iterator + ctas * row_stride,
+                                   cute.make_layout((2 * ctas, h), stride=(row_stride, 1)))
+        self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], weight,
+                    sorted_ids, order, table, partials, carries).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.fixup(sorted_ids, table, carries, ctas, stream)
+        self.column_sum(partials, grad_weight, stream)
+
+    @cute.kernel
+    def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
+               m_sorted: cute.Tensor, m_order: cute.Tensor, m_table: cute.Tensor, m_part: cute.Tensor,
+               m_carry: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        lane, warp = tidx % 32, tidx // 32
+        h, vpt, threads = self.hidden, self.vectors_per_thread, self.threads
+        vectors = h // VECTOR
+        tokens = cute.size(m_sorted)
+        lo, hi = _range(bidx, tokens, ctas), _range(bidx + 1, tokens, ctas)
+
+        smem = cutlass.memory.SmemAllocator()
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
+        loads = (wide_copy(BFloat16), wide_copy(Float32))
+        weight, grad_weight, g, xs, segment, old = (cute.make_rmem_tensor((VECTOR, vpt), Float32)
+                                                     for _ in range(6))
+        for t in (weight, grad_weight, g, xs, segment, old):
+            t.fill(0.0)
+        read_row(loads, (m_w,), (weight,), tidx, threads, vpt, vectors)
+
+        # The first segment began in an earlier range: its sum here is a head partial.
+        head = Int32(0)
+        if lo > 0:
+            if m_sorted[lo - 1] == m_sorted[lo]:
+                head = Int32(1)
+        for p in cutlass.range(lo, hi):
+            token = Int32(m_order[p])
+            vid = m_sorted[p]
+            rstd = m_rstd[token]
+            read_row(loads, (m_go[token, None], m_x[token, None]), (g, xs), tidx, threads, vpt, vectors)
+            dot = Float32(0.0)
+            for k in cutlass.range_constexpr(vpt):
+                gk, xk = g[None, k].load(), xs[None, k].load()
+                grad_weight[None, k].store(grad_weight[None, k].load() + gk * (xk * rstd))
+                dot += (gk * weight[None, k].load() * xk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            scale = rstd * rstd * row_sum(dot, warp_sums, (p - lo) % 2, lane, warp, self.warps) * (1.0 / h)
+            for k in cutlass.range_constexpr(vpt):
+                dx = rstd * (g[None, k].load() * weight[None, k].load() - xs[None, k].load() * scale)
+                segment[None, k].store(segment[None, k].load() + dx)
+            ends = Int32(1)
+            if p + 1 < tokens:
+                if m_sorted[p + 1] == vid:
+                    ends = Int32(0)
+            if ends == 1:
+                if head == 1:
+                    store_row(loads[1], segment, m_carry[2 * bidx, None], tidx, threads, vpt, vectors)
+                    head = Int32(0)
+                else:
+                    _write_table_row(self.accumulate, loads[0], segment, old, m_table[Int32(vid), None],
+                                     tidx, threads, vpt, vectors)
+                segment.fill(0.0)
+        # The last segment goes on past this range: hand its sum on as a partial.
+        if hi < tokens:
+            if m_sorted[hi] == m_sorted[hi - 1]:
+                store_row(loads[1], segment, m_carry[2 * bidx + 1 - head, None], tidx, threads, vpt, vectors)
+        store_row(loads[1], grad_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
+
+
+@cute.jit
+def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tidx, threads: cutlass.Constexpr,
+                     vpt: cutlass.Constexpr, vectors: cutlass.Constexpr):
+    """row = bf16(segment), or bf16(fp32(row) + segment) when accumulating: one rounding."""
+    if cutlass.const_expr(accumulate):
+        read_row((atom, atom), (row,), (old,), tidx, threads, vpt, vectors)
+        for k in cutlass.range_constexpr(vpt):
+            old[None, k].store(old[None, k].load() + segment[None, k].load())
+        store_row(atom, old, row, tidx, threads, vpt, vectors)
+    else:
+        store_row(atom, segment, row, tidx, threads, vpt, vectors)
+
+
+class SegmentFixup:
+    """Table rows of segments cut by range boundaries: the tail partial of the range where the
+    segment starts plus the head partials of the ranges it reaches, added in range order.
+
+    Grid (ranges, column blocks): CTA (a, b) owns the segment that starts in range a and runs
+    past it (most CTAs own nothing and exit), and LINE_VECTORS column vectors of it. Its warps
+    split the partial rows round-robin and warp 0 adds the warps in order: a fixed order.
+    """
+
+    WARPS = 4
+    LINE_VECTORS = 32  # one vector per lane
+
+    def __init__(self, hidden: int, accumulate: bool):
+        self.hidden, self.accumulate = hidden, accumulate
+
+    @cute.jit
+    def __call__(self, sorted_ids: cute.Tensor, table: cute.Tensor, carries: cute.Tensor, ctas: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(sorted_ids, table, carries).launch(
+            grid=[ctas, cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1],
+            block=[32 * self.WARPS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        a, column_block, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        lane, warp = tidx % 32, tidx // 32
+        tokens = cute.size(m_sorted)
+        lo, hi = _range(a, tokens, ctas), _range(a + 1, tokens, ctas)
+        smem = cutlass.memory.SmemAllocator()
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, 32, self.WARPS)), byte_alignment=16)
+        f32 = wide_copy(Float32)
+        v = column_block * self.LINE_VECTORS + lane
+        owns = Int32(0)
+        if hi < tokens:
+            if m_sorted[hi] == m_sorted[hi - 1]:
+                owns = Int32(1)
+                if lo > 0:
+                    if m_sorted[lo - 1] == m_sorted[hi - 1]:
+                        owns = Int32(0)  # it started in an earlier range, whose CTA owns it
+        if owns == 1:
+            vid = m_sorted[hi - 1]
+            # The segment's last position: binary search for the first id above vid in [hi, T).
+            left, right = hi, tokens
+            for _ in cutlass.range_constexpr(32):
+                if left < right:
+                    mid = (left + right) // 2
+                    if m_sorted[mid] > vid:
+                        right = mid
+                    else:
+                        left = mid + 1
+            last_range = Int32((Int64(left) * Int64(ctas) + Int64(tokens) - 1) // Int64(tokens)) - 1
+            acc = cute.make_rmem_tensor((VECTOR,), Float32)
+            staging = cute.make_rmem_tensor((VECTOR,), Float32)
+            acc.fill(0.0)
+            if v < self.hidden // VECTOR:
+                # partial j: the tail of range a (j = 0), then the head of range a + j
+                for j in cutlass.range(warp, last_range - a + 1, self.WARPS, unroll=4):
+                    row = 2 * (a + j) + 1
+                    if j > 0:
+                        row = 2 * (a + j)
+                    cute.copy(f32, vector(m_carry[row, None], v), staging)
+                    acc.store(acc.load() + staging.load())
+            warp_sums[None, lane, warp].store(acc.load())
+            cute.arch.barrier()
+            if warp == 0 and v < self.hidden // VECTOR:
+                acc.fill(0.0)
+                for w in cutlass.range_constexpr(self.WARPS):
+                    acc.store(acc.load() + warp_sums[None, lane, w].load())
+                row = m_table[Int32(vid), None]
+                out = cute.make_rmem_tensor((VECTOR,), BFloat16)
+                bf16 = wide_copy(BFloat16)
+                if cutlass.const_expr(self.accumulate):
+                    cute.copy(bf16, vector(row, v), out)
+                    acc.store(acc.load() + out.load().to(Float32))
+                out.store(acc.load().to(BFloat16))
+                cute.copy(bf16, out, vector(row, v))
+
+
+def _fake_args(hidden: int, ids_dtype):
+    """Compile-time stand-ins. batch/seq shared by the [b, s, ...] tensors, tokens by the
+    sorted ids and their order, vocabulary and workspace rows free; H static."""
+    batch, seq, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    vocab, workspace_rows = cute.sym_int32(), cute.sym_int32()
+    row_strides = lambda: (cute.sym_int64(divisibility=VECTOR), cute.sym_int64(divisibility=VECTOR), 1)
+    rows_of = lambda dtype: runtime.fake_tensor(dtype, (batch, seq, hidden), row_strides(), VECTOR * dtype.width // 8)
+    rstd = runtime.fake_tensor(Float32, (batch, seq, 1), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
+    weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
+    sorted_ids = runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8)
+    order = runtime.fake_tensor(Int64, (tokens,), (1,), 8)
+    table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
+    workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
+    return (rows_of(BFloat16), rows_of(Float32), rstd, weight, sorted_ids, order, table, weight, workspace, Int32(1))
+
+
+def _build(hidden: int, accumulate: bool, ids_dtype, arch: str, dump_dir=None):
+    return runtime.compile_kernel(
+        ("embedding_rmsnorm_backward", hidden, accumulate, ids_dtype.__name__),
+        EmbeddingRmsNormBackward(hidden, accumulate), *_fake_args(hidden, ids_dtype), runtime.env_stream(),
+        arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+
+
+def _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size):
+    import torch
+
+    from .checks import check_same_device, check_tensor
+
+    check_tensor("grad_output", grad_output, dtypes=torch.bfloat16, ndim=3, contiguous=False, align=8)
+    batch, seq, hidden = grad_output.shape
+    if hidden % 8 or not 0 < hidden <= MAX_HIDDEN:
+        raise ValueError(f"grad_output: hidden size must be a positive multiple of 8 up to {MAX_HIDDEN}, got {hidden}")
+    check_tensor("input_ids", input_ids, dtypes=(torch.int64, torch.int32), shape=(batch, seq),
+                 contiguous=False, align=1)
+    check_tensor("hidden_states", hidden_states, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
+    for name, t in (("grad_output", grad_output), ("hidden_states", hidden_states)):
+        if t.stride(2) != 1 or t.stride(0) % VECTOR or t.stride(1) % VECTOR:
+            raise ValueError(f"{name}: needs a contiguous last dimension and batch/seq strides that are "
+                             f"multiples of {VECTOR}, got strides {t.stride()}")
+    check_tensor("rstd", rstd, dtypes=torch.float32, shape=(batch, seq, 1), contiguous=False, align=4)
+    check_tensor("weight", weight, dtypes=torch.float32, shape=(hidden,))
+    check_same_device(grad_output=grad_output, input_ids=input_ids, hidden_states=hidden_states, rstd=rstd,
+                      weight=weight)
+    if not isinstance(vocab_size, int) or not 0 < vocab_size < 2**31:
+        raise ValueError(f"vocab_size: expected a positive int below 2^31, got {vocab_size!r}")
+    if batch * seq >= 2**31:
+        raise ValueError(f"grad_output: {batch * seq} tokens; at most 2^31 - 1 are supported")
+    return batch, seq, hidden
+
+
+def _check_out(out, hidden_states, vocab_size):
+    import torch
+
+    from .checks import check_same_device, check_tensor
+
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError("out: expected (grad_embedding, grad_weight)")
+    hidden = hidden_states.shape[-1]
+    check_tensor("out[grad_embedding]", out[0], dtypes=torch.bfloat16, shape=(vocab_size, hidden), align=8)
+    check_tensor("out[grad_weight]", out[1], dtypes=torch.float32, shape=(hidden,))
+    check_same_device(hidden_states=hidden_states, grad_embedding=out[0], grad_weight=out[1])
+    return tuple(out)
+
+
+class _Entry:
+    """What one (hidden size, accumulate, ids dtype, device) needs per call, resolved once."""
+
+    def __init__(self, hidden: int, accumulate: bool, ids_dtype, device):
+        import torch
+
+        self.device = device
+        self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        ids = cutlass.Int64 if ids_dtype == torch.int64 else cutlass.Int32
+        self.run = runtime.ffi_function(_build(hidden, accumulate, ids, runtime.device_arch(device.index)))
+        # grad_weight partials, then two segment partials per range
+        self.workspace = runtime.StreamWorkspace(3 * self.max_ctas, hidden, device)
+
+
+_entries: dict = {}
+
+
+def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weight, *, vocab_size=65536,
+                               out=None, accumulate=False):
+    """L1/087: -> (grad_embedding [vocab_size, H] bf16, grad_weight [H] fp32), as semantics.md says.
+
+    grad_output bf16 and hidden_states fp32 [b, s, H] (any batch/seq strides that are multiples
+    of 4 elements, contiguous last dim); input_ids int64 or int32 [b, s]; rstd fp32 [b, s, 1];
+    weight fp32 [H]; H a multiple of 8 up to 16384.
+    - Without `out`: the table is allocated and zero-filled (torch.zeros), then the touched
+      rows are written.
+    - `out=(grad_embedding, grad_weight)`: written in place; the table is zero-filled first
+      unless `accumulate=True`, which adds this step's rows into it, reading and writing
+      only the touched rows.
+    Repeated ids are summed in fp32 in token order and each touched row is rounded to bf16
+    once: bitwise repeatable. Ids outside [0, vocab_size) raise ValueError and nothing is
+    written.
+
+    The index pass is PyTorch's stable sort of the ids, and the id-range check reads the
+    sorted ends back to the host: one synchronization per call.
+    """
+    import torch
+
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds into an existing table: pass out=(grad_embedding, grad_weight)")
+    try:
+        batch, seq, hidden = grad_output.shape
+        key = (hidden, bool(accumulate), input_ids.dtype, grad_output.get_device())
+        entry = _entries[key]
+    except (AttributeError, TypeError, ValueError, KeyError):
+        _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
+        batch, seq, hidden = grad_output.shape
+        device = grad_output.device
+        key = (hidden, bool(accumulate), input_ids.dtype, device.index)
+        entry = _entries.setdefault(key, _Entry(hidden, bool(accumulate), input_ids.dtype, device))
+    tokens = batch * seq
+    zero_fill = out is not None and not accumulate  # a fresh table is zeroed by torch.zeros
+    if out is None:
+        out = (torch.zeros((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device),
+               torch.empty(hidden, dtype=torch.float32, device=entry.device))
+    else:
+        out = _check_out(out, hidden_states, vocab_size)
+    table, grad_weight = out
+    if tokens == 0 or tokens >= 2**31:
+        _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
+        if not accumulate:
+            table.zero_()
+        grad_weight.zero_()
+        return out
+    sorted_ids, order = torch.sort(input_ids.reshape(tokens), stable=True)
+    smallest, largest = torch.cat((sorted_ids[:1], sorted_ids[-1:])).tolist()
+    if smallest < 0 or largest >= vocab_size:
+        raise ValueError(f"input_ids: every id must lie in [0, {vocab_size}), got ids from {smallest} to {largest}"
+                         " (nothing was written)")
+    if zero_fill:
+        table.zero_()
+    try:
+        entry.run(grad_output, hidden_states, rstd, weight, sorted_ids, order, table, grad_weight,
+                  entry.workspace.get(), min(tokens, entry.max_ctas))
+    except Exception:
+        _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
+        raise
+    return out
+
+
+AUDIT_BUILDS = {
+    f"embedding_rmsnorm_backward[H=4096,{'accumulate' if acc else 'fresh'},{ids.__name__}]":
+        (lambda arch, dump_dir, acc=acc, ids=ids: _build(4096, acc, ids, arch, dump_dir))
+    for acc, ids in ((False, cutlass.Int64), (True, cutlass.Int32))
+}
+# 128-bit loads of hidden_states, weight and the partials; no spills; no atomics (every sum
+# has a fixed order).
+AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}

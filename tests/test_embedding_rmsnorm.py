@@ -1,0 +1,105 @@
+"""L1/087 kernel: argument errors on any machine; parity, duplicates, accumulate and determinism on the GPU."""
+import pytest
+import torch
+
+from cutebwd import embedding_rmsnorm_backward as kernel
+from cutebwd.references import PROBLEMS
+from cutebwd.references.workloads import WORKLOADS
+from cutebwd.tools.parity import assert_parity, check_problem
+
+PROBLEM = PROBLEMS["embedding_rmsnorm_backward"]
+SMALL = {"vocab": 97, "hidden": 64}
+
+
+def _inputs(batch=2, seq=3, device="cpu", dims=SMALL, **kw):
+    return PROBLEM.make_inputs(batch, seq, device=device, dims=dims, **kw)
+
+
+def test_rejects_wrong_dtype():
+    go, ids, x, r, w = _inputs()
+    with pytest.raises(TypeError, match="grad_output: expected dtype bfloat16"):
+        kernel(go.float(), ids, x, r, w, vocab_size=97)
+
+
+def test_rejects_cpu_tensors():
+    with pytest.raises(ValueError, match="grad_output: expected a CUDA tensor"):
+        kernel(*_inputs(), vocab_size=97)
+
+
+def test_accumulate_needs_a_table():
+    with pytest.raises(ValueError, match="accumulate=True adds into an existing table"):
+        kernel(*_inputs(), vocab_size=97, accumulate=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq,batch", WORKLOADS[PROBLEM.name])
+def test_workloads(seq, batch):
+    check_problem(PROBLEM, kernel, batch, seq)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,seq", [(8, 4096), (1, 1), (3, 97)])
+def test_every_id_the_same(batch, seq):
+    check_problem(PROBLEM, kernel, batch, seq, same_ids=True)
+
+
+@pytest.mark.gpu
+def test_int32_ids_and_a_vocabulary_of_17():
+    dims = {"vocab": 17, "hidden": 4096}
+    check_problem(PROBLEM, kernel, 4, 300, dims=dims, kernel_options={"vocab_size": 17}, ids_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [8, 1000, 2560])
+def test_other_hidden_sizes(hidden):
+    dims = {"vocab": 1000, "hidden": hidden}
+    check_problem(PROBLEM, kernel, 3, 211, dims=dims, kernel_options={"vocab_size": 1000})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("same_ids", [False, True])
+def test_accumulate_adds_into_the_table(same_ids):
+    inputs = PROBLEM.make_inputs(4, 1024, device="cuda", seed=4, same_ids=same_ids)
+    table = torch.randn(65536, 4096, device="cuda").bfloat16()
+    expected = PROBLEM.reference(*inputs, accumulate_into=table, fp32_outputs=True)
+    out = (table.clone(), torch.full((4096,), float("nan"), device="cuda"))
+    kernel(*inputs, out=out, accumulate=True)
+    assert_parity(PROBLEM.output_names, out, expected, PROBLEM.output_dtypes)
+    untouched = torch.ones(65536, dtype=torch.bool, device="cuda")
+    untouched[inputs[1].reshape(-1)] = False
+    assert torch.equal(out[0][untouched], table[untouched])
+
+
+@pytest.mark.gpu
+def test_bitwise_repeatable_with_heavy_duplication():
+    dims = {"vocab": 64, "hidden": 4096}
+    inputs = PROBLEM.make_inputs(8, 2048, device="cuda", seed=9, dims=dims)
+    first = kernel(*inputs, vocab_size=64)
+    for _ in range(4):
+        again = kernel(*inputs, vocab_size=64)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@pytest.mark.gpu
+def test_out_of_range_ids_raise_and_write_nothing():
+    go, ids, x, r, w = PROBLEM.make_inputs(2, 64, device="cuda", seed=2)
+    out = (torch.full((65536, 4096), 3.0, dtype=torch.bfloat16, device="cuda"), torch.zeros(4096, device="cuda"))
+    for bad in (65536, -1):
+        ids[1, 7] = bad
+        with pytest.raises(ValueError, match=r"input_ids: every id must lie in \[0, 65536\)"):
+            kernel(go, ids, x, r, w, out=out, accumulate=True)
+        with pytest.raises(ValueError, match="nothing was written"):
+            kernel(go, ids, x, r, w, out=out)
+    assert bool((out[0] == 3.0).all()) and bool((out[1] == 0).all())
+
+
+@pytest.mark.gpu
+def test_gpu_argument_errors():
+    go, ids, x, r, w = PROBLEM.make_inputs(2, 64, device="cuda", seed=2)
+    kernel(go, ids, x, r, w)  # a warm cache: later errors come through the C checks first
+    with pytest.raises(TypeError, match="input_ids: expected dtype int64 or int32"):
+        kernel(go, ids.float(), x, r, w)
+    with pytest.raises(ValueError, match="hidden_states: expected shape"):
+        kernel(go, ids, x[:, :3], r, w)
+    with pytest.raises(ValueError, match=r"out\[grad_embedding\]: expected shape"):
+        kernel(go, ids, x, r, w, out=(torch.empty(100, 4096, dtype=torch.bfloat16, device="cuda"), w.clone()))
