@@ -26,7 +26,8 @@ from cutlass import BFloat16, Float32, Int32
 
 from . import runtime
 from .column_sum import ColumnSum
-from .rows import VECTOR, read_row, row_sum, rows_view, vector, wide_copy
+from .rows import (VECTOR, alloc_ring, cp_async_atoms, fetch_row, read_row, ring_stages, row_sum, rows_view,
+                   vector, wide_copy)
 
 MAX_THREADS = 1024
 TARGET_VECTORS_PER_THREAD = 5  # H = 2560 -> 128 threads x 5 vectors, no predication
@@ -46,9 +47,8 @@ class FusedResidualRmsNormBackward:
         self.warps = self.threads // 32
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
         # to MAX_STAGES): rows in flight per SM are what keep HBM busy. Too big a row: no ring.
-        row_bytes = hidden * (2 + 4 + (4 if read_normalized else 0))
-        self.stages = min(MAX_STAGES, PREFETCH_MAX_BYTES // row_bytes)
-        self.prefetch = self.stages >= 2
+        self.stages = ring_stages(hidden * (2 + 4 + (4 if read_normalized else 0)), PREFETCH_MAX_BYTES, MAX_STAGES)
+        self.prefetch = self.stages > 0
         self.column_sum = ColumnSum(hidden)
 
     @cute.jit
@@ -84,7 +84,7 @@ class FusedResidualRmsNormBackward:
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
         load_bf16, load_f32 = wide_copy(BFloat16), wide_copy(Float32)
         store_bf16, store_f32 = load_bf16, load_f32
-        # Inputs of a row, in the order _fetch_row/_read_row take them.
+        # Inputs of a row, in the order fetch_row/read_row take them.
         sources = (m_go, m_x, m_norm) if cutlass.const_expr(self.read_normalized) else (m_go, m_x)
 
         weight = cute.make_rmem_tensor((VECTOR, vpt), Float32)
@@ -106,14 +106,12 @@ class FusedResidualRmsNormBackward:
             # computed. Each thread copies and later reads only its own vectors, so the ring
             # needs no barrier, just the thread's own cp.async groups (one per row).
             ring = self.stages
-            stages = tuple(smem.allocate_tensor(t.element_type, cute.make_layout((h, ring)), byte_alignment=16)
-                           for t in sources)
-            fetches = (cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=64),
-                       cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                           Float32, num_bits_per_copy=128))
+            stages = alloc_ring(smem, sources, h, ring)
+            fetches = cp_async_atoms()
             for j in cutlass.range_constexpr(ring - 1):
                 if j < my_rows:
-                    _fetch_row(fetches, sources, stages, bidx + j * ctas, j, tidx, threads, vpt, h // VECTOR)
+                    fetch_row(fetches, tuple(s[bidx + j * ctas, None] for s in sources), stages, j,
+                              tidx, threads, vpt, h // VECTOR)
                 cute.arch.cp_async_commit_group()
 
         for it in cutlass.range(0, my_rows):
@@ -122,8 +120,8 @@ class FusedResidualRmsNormBackward:
             if cutlass.const_expr(self.prefetch):
                 # The slot refilled here held row it - 1, which this thread has already read.
                 if it + ring - 1 < my_rows:
-                    _fetch_row(fetches, sources, stages, row + (ring - 1) * ctas, (it + ring - 1) % ring,
-                               tidx, threads, vpt, h // VECTOR)
+                    fetch_row(fetches, tuple(s[row + (ring - 1) * ctas, None] for s in sources), stages,
+                              (it + ring - 1) % ring, tidx, threads, vpt, h // VECTOR)
                 cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per row
                 cute.arch.cp_async_wait_group(ring - 1)  # this row's group has landed
                 read_row((load_bf16, load_f32), tuple(s[None, it % ring] for s in stages), (g, xs, ns),
@@ -155,17 +153,6 @@ class FusedResidualRmsNormBackward:
             if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                 staging_f32.store(grad_weight[None, k].load())
                 cute.copy(store_f32, staging_f32, vector(m_part[bidx, None], tidx + k * threads))
-
-
-@cute.jit
-def _fetch_row(fetches, sources, stages, row, stage, tidx, threads: cutlass.Constexpr, vpt: cutlass.Constexpr,
-               vectors: cutlass.Constexpr):
-    """cp.async this thread's vectors of `row` of each source into ring slot `stage`."""
-    for k in cutlass.range_constexpr(vpt):
-        if tidx + k * threads < vectors:
-            for src, dst in zip(sources, stages):
-                atom = fetches[0] if cutlass.const_expr(src.element_type == BFloat16) else fetches[1]
-                cute.copy(atom, vector(src[row, None], tidx + k * threads), vector(dst[None, stage], tidx + k * threads))
 
 
 CTAS_PER_SM = 4  # 128 threads x ~100 registers: four CTAs (four rows in flight) per SM

@@ -74,3 +74,36 @@ def row_sum(partial, warp_sums, parity, lane, warp, warps: cutlass.Constexpr):
     for w in cutlass.range_constexpr(warps):
         total += warp_sums[w, parity]
     return total
+
+
+def ring_stages(row_bytes: int, budget_bytes: int, max_stages: int = 4) -> int:
+    """How many rows a cp.async ring holds within `budget_bytes`; below 2 there is no ring."""
+    stages = min(max_stages, budget_bytes // row_bytes)
+    return stages if stages >= 2 else 0
+
+
+def alloc_ring(smem, sources, hidden: int, stages: int):
+    """Shared-memory ring slots, [hidden, stages] per source tensor, in its element type."""
+    return tuple(smem.allocate_tensor(t.element_type, cute.make_layout((hidden, stages)), byte_alignment=16)
+                 for t in sources)
+
+
+def cp_async_atoms():
+    """(bf16 8-byte, fp32 16-byte L2-only) cp.async atoms: global to shared, no registers."""
+    cpasync = cute.nvgpu.cpasync
+    return (cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=64),
+            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
+                                num_bits_per_copy=128))
+
+
+@cute.jit
+def fetch_row(fetches, rows, ring, stage, tidx, threads: cutlass.Constexpr, vpt: cutlass.Constexpr,
+              vectors: cutlass.Constexpr):
+    """cp.async this thread's vectors of each row in `rows` into ring slot `stage`. The thread
+    later reads back only these vectors, so the ring needs no barrier, only the thread's own
+    cp.async groups (commit one per row, wait until the row's group has landed)."""
+    for k in cutlass.range_constexpr(vpt):
+        if tidx + k * threads < vectors:
+            for src, dst in zip(rows, ring):
+                atom = fetches[0] if cutlass.const_expr(src.element_type == BFloat16) else fetches[1]
+                cute.copy(atom, vector(src, tidx + k * threads), vector(dst[None, stage], tidx + k * threads))
