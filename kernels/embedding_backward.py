@@ -28,13 +28,11 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import runtime
 from .column_sum import ColumnSum
-from .rows import (VECTOR, alloc_ring, cp_async_atoms, fetch_row, read_row, ring_stages, row_sum, rows_view,
-                   store_row, vector, wide_copy)
+from .rows import VECTOR, read_row, row_sum, rows_view, store_row, vector, wide_copy
 
 MAX_THREADS = 1024
 TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
-CTAS_PER_SM = 2  # 256 threads x ~128 registers
-RING_BYTES = 100 * 1024  # per CTA, two CTAs per SM: H = 4096 rows (24 KB) -> 4 in flight per CTA
+CTAS_PER_SM = 2  # 256 threads x ~100 registers
 MAX_HIDDEN = 16384
 
 
@@ -52,8 +50,6 @@ class EmbeddingRmsNormBackward:
         self.threads = min(MAX_THREADS, max(32, 32 * -(-vectors // (32 * TARGET_VECTORS_PER_THREAD))))
         self.vectors_per_thread = -(-vectors // self.threads)
         self.warps = self.threads // 32
-        # cp.async ring of gathered token rows (grad_output + hidden_states); none if too big
-        self.stages = ring_stages(hidden * (2 + 4), RING_BYTES)
         self.fixup = SegmentFixup(hidden, accumulate)
         self.column_sum = ColumnSum(hidden)
 
@@ -101,33 +97,11 @@ class EmbeddingRmsNormBackward:
         if lo > 0:
             if m_sorted[lo - 1] == m_sorted[lo]:
                 head = Int32(1)
-        sources = (m_go, m_x)
-        if cutlass.const_expr(self.stages > 0):
-            # Token rows are gathered through the sorted order; the next ones stream in while
-            # this one is computed (the same per-thread ring as 013).
-            ring = self.stages
-            stages = alloc_ring(smem, sources, h, ring)
-            fetches = cp_async_atoms()
-            for j in cutlass.range_constexpr(ring - 1):
-                if lo + j < hi:
-                    ahead = Int32(m_order[lo + j])
-                    fetch_row(fetches, tuple(t[ahead, None] for t in sources), stages, j, tidx, threads, vpt, vectors)
-                cute.arch.cp_async_commit_group()
         for p in cutlass.range(lo, hi):
             token = Int32(m_order[p])
             vid = m_sorted[p]
             rstd = m_rstd[token]
-            if cutlass.const_expr(self.stages > 0):
-                # The slot refilled here held position p - 1, which this thread has already read.
-                if p + ring - 1 < hi:
-                    ahead = Int32(m_order[p + ring - 1])
-                    fetch_row(fetches, tuple(t[ahead, None] for t in sources), stages, (p - lo + ring - 1) % ring,
-                              tidx, threads, vpt, vectors)
-                cute.arch.cp_async_commit_group()  # possibly empty: one group per position
-                cute.arch.cp_async_wait_group(ring - 1)
-                read_row(loads, tuple(t[None, (p - lo) % ring] for t in stages), (g, xs), tidx, threads, vpt, vectors)
-            else:
-                read_row(loads, tuple(t[token, None] for t in sources), (g, xs), tidx, threads, vpt, vectors)
+            read_row(loads, (m_go[token, None], m_x[token, None]), (g, xs), tidx, threads, vpt, vectors)
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
                 gk, xk = g[None, k].load(), xs[None, k].load()
@@ -398,7 +372,6 @@ AUDIT_BUILDS = {
         (lambda arch, dump_dir, acc=acc, ids=ids: _build(4096, acc, ids, arch, dump_dir))
     for acc, ids in ((False, cutlass.Int64), (True, cutlass.Int32))
 }
-# Token rows through cp.async (LDGSTS); 128-bit loads of weight and the partials; no spills;
-# no atomics (every sum has a fixed order).
-AUDIT_EXPECTS = {arch: {"require": ["LDG.128", "LDGSTS"], "forbid": ["LOCAL", "ATOM/RED"]}
-                 for arch in runtime.ARCHES}
+# 128-bit loads of hidden_states, weight and the partials; no spills; no atomics (every sum
+# has a fixed order).
+AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}
