@@ -46,7 +46,9 @@ class FusedResidualRmsNormBackward:
         self.vectors_per_thread = -(-vectors // self.threads)
         self.warps = self.threads // 32
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
-        # to MAX_STAGES): rows in flight per SM are what keep HBM busy. Too big a row: no ring.
+        # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
+        # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a
+        # row: no ring.
         self.stages = ring_stages(hidden * (2 + 4 + (4 if read_normalized else 0)), PREFETCH_MAX_BYTES, MAX_STAGES)
         self.prefetch = self.stages > 0
         self.column_sum = ColumnSum(hidden)
