@@ -1,7 +1,8 @@
 """Benchmark on the GPU, in one run: the two ceilings (device copy bandwidth, bf16 cuBLAS
 matmul rate), then per problem and workload every implementation registered for it (the eager
 reference, torch.compile of it, and our kernels and peers as they land), each checked against
-the fp32 reference before it is timed, with time, speed-of-light time and fraction of it.
+the fp32 reference before it is timed, with time, speed-of-light time and fraction of it;
+for inputs under 64 MB also a CUDA-graph replay time and the host's CPU time per call.
 
     python -m cutebwd.tools.bench [--problem NAME ...] [--impl NAME ...] [--json bench.json]
 
@@ -176,9 +177,11 @@ def bench_case(problem, seq, batch, options, impls, ceilings, seed, log):
         reports = parity.check_outputs(problem.output_names, outputs, expected, problem.output_dtypes)
         del outputs
         ms = timing.time_ms(fn, arg_sets)
-        graph_ms = timing.graph_time_ms(fn, arg_sets) if in_bytes < GRAPH_MAX_INPUT_BYTES else None
+        small = in_bytes < GRAPH_MAX_INPUT_BYTES
+        graph_ms = timing.graph_time_ms(fn, arg_sets) if small else None
+        host_us = timing.host_us(fn, arg_sets) if small else None
         row = {"problem": problem.name, "seq_len": seq, "batch_size": batch, "options": options,
-               "impl": impl_name, "ms": ms, "graph_ms": graph_ms, "sol_ms": sol_ms,
+               "impl": impl_name, "ms": ms, "graph_ms": graph_ms, "host_us": host_us, "sol_ms": sol_ms,
                "sol_fraction": sol_ms / ms, "bytes": nbytes, "flops": flops,
                "parity_ok": all(r.ok for r in reports),
                "parity": [r.line() for r in reports]}
@@ -209,13 +212,14 @@ def summarize(rows):
 
 
 def format_tables(rows, summary) -> str:
-    lines = [f"{'problem':<32} {'seq x batch':>12} {'impl':<14} {'ms':>9} {'graph ms':>9} "
+    lines = [f"{'problem':<32} {'seq x batch':>12} {'impl':<14} {'ms':>9} {'graph ms':>9} {'host us':>8} "
              f"{'SOL ms':>9} {'of SOL':>7} parity"]
     for r in rows:
         graph = f"{r['graph_ms']:9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
+        host = f"{r['host_us']:8.1f}" if r.get("host_us") is not None else f"{'-':>8}"
         extra = " " + ",".join(f"{k}={v}" for k, v in r["options"].items()) if r["options"] else ""
         lines.append(f"{r['problem']:<32} {str(r['seq_len']) + ' x ' + str(r['batch_size']):>12} "
-                     f"{r['impl']:<14} {r['ms']:9.4f} {graph} {r['sol_ms']:9.4f} "
+                     f"{r['impl']:<14} {r['ms']:9.4f} {graph} {host} {r['sol_ms']:9.4f} "
                      f"{r['sol_fraction']:7.1%} {'ok' if r['parity_ok'] else 'FAIL'}{extra}")
     lines += ["", f"{'problem':<32} {'impl':<14} {'mean ms':>9} {'mean SOL ms':>12} {'SOL/time':>9} parity"]
     for s in summary:

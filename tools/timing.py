@@ -5,6 +5,7 @@ replay figure strips the host cost for small shapes. Ceilings measured the same 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -57,6 +58,24 @@ def graph_time_ms(fn, arg_sets, *, calls: int = 20, repeats: int = 5) -> float |
     graph.replay()
     torch.cuda.synchronize()
     return statistics.median(_loop_ms(lambda: graph.replay(), [()], 1) / calls for _ in range(repeats))
+
+
+def host_us(fn, arg_sets, *, calls: int = 200, repeats: int = 3) -> float:
+    """Median CPU microseconds per call for `calls` back-to-back calls (no synchronization
+    between them): what the Python call costs the host when the GPU keeps up. A call that
+    synchronizes inside pays its wait here too, as its users do."""
+    def once():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
+        elapsed = time.perf_counter() - start
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return elapsed / calls * 1e6
+    once()  # warm-up: first-call compiles and allocations stay out of the figure
+    return statistics.median(once() for _ in range(repeats))
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
