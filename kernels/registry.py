@@ -2,11 +2,12 @@
 
 A kernel module declares `AUDIT_BUILDS` ({name: build(arch, dump_dir) -> compiled}) and
 `AUDIT_EXPECTS` ({arch: {"require": [families], "forbid": [families]}}), families as
-tools/audit.py names them. Adding a kernel to the audit (and so to its test) is one line here.
+tools/audit.py names them; an arch a module does not name is not built for it (the Hopper
+GEMM core has no sm_100a build: its Blackwell twin is a module of its own). Adding a kernel to the audit (and so to its test) is one line here.
 """
-from . import embedding_backward, rmsnorm_backward, row_rstd
+from . import embedding_backward, gemm_sm90, rmsnorm_backward, row_rstd
 
-KERNEL_MODULES = (row_rstd, rmsnorm_backward, embedding_backward)
+KERNEL_MODULES = (row_rstd, rmsnorm_backward, embedding_backward, gemm_sm90)
 
 
 def audit_builds():

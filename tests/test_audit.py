@@ -6,6 +6,9 @@ from cutebwd.kernels.registry import audit_builds
 from cutebwd.tools import audit
 
 BUILDS = list(audit_builds())
+CASES = [(name, build, expects, arch) for name, build, expects in BUILDS for arch in audit.ARCHES if arch in expects]
+# Kernels with a Hopper build only: the sm90 GEMM core's Blackwell twin is its own module (issue 6).
+HOPPER_ONLY = ("gemm_sm90[",)
 
 
 @pytest.fixture(scope="module")
@@ -13,8 +16,7 @@ def nvdisasm():
     return audit.find_nvdisasm()
 
 
-@pytest.mark.parametrize("arch", audit.ARCHES)
-@pytest.mark.parametrize("name,build,expects", BUILDS, ids=[b[0] for b in BUILDS])
+@pytest.mark.parametrize("name,build,expects,arch", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
 def test_build_holds_declared_instructions(name, build, expects, arch, nvdisasm):
     result = {"kernel": name, "arch": arch, **audit.audit_build(build, arch, nvdisasm)}
     assert result["target"] == arch.rstrip("a")
@@ -24,7 +26,8 @@ def test_build_holds_declared_instructions(name, build, expects, arch, nvdisasm)
 
 def test_every_kernel_declares_both_arches():
     for name, _, expects in BUILDS:
-        assert set(audit.ARCHES) <= set(expects), name
+        wanted = {"sm_90a"} if name.startswith(HOPPER_ONLY) else set(audit.ARCHES)
+        assert wanted <= set(expects), name
 
 
 def test_family_classifier():
