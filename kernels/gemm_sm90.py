@@ -151,7 +151,9 @@ class Sm90Gemm:
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, k_tiles, tiles_m, tiles_n, bidx, ctas,
                  ctidx, warp):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, tile after tile."""
-        thr_mma = tiled_mma.get_slice(ctidx)
+        # A warpgroup MMA is issued by the warpgroup as a whole: every thread of a consumer
+        # warpgroup takes that warpgroup's slice (its first thread's index).
+        thr_mma = tiled_mma.get_slice((ctidx // WARPGROUP) * WARPGROUP)
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(g_c).shape[:3], Float32)
