@@ -39,3 +39,16 @@ def check_same_device(**tensors) -> None:
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"all tensors must be on one device: {listing}")
+
+
+def check_row_strides(name: str, t, vector: int) -> None:
+    """A [b, s, H] tensor the row kernels can read in place: contiguous last dimension and
+    batch/seq strides that are multiples of `vector` elements (vector-aligned row starts)."""
+    if t.stride(2) != 1 or t.stride(0) % vector or t.stride(1) % vector:
+        raise ValueError(f"{name}: needs a contiguous last dimension and batch/seq strides that are "
+                         f"multiples of {vector}, got strides {t.stride()}")
+
+
+def check_hidden_size(name: str, hidden: int, limit: int) -> None:
+    if hidden % 8 or not 0 < hidden <= limit:
+        raise ValueError(f"{name}: hidden size must be a positive multiple of 8 up to {limit}, got {hidden}")

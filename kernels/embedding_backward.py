@@ -28,12 +28,11 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import runtime
 from .column_sum import ColumnSum
-from .rows import VECTOR, read_row, row_sum, rows_view, store_row, vector, wide_copy
+from .rows import (MAX_HIDDEN, VECTOR, fake_rows, fake_rstd, read_row, row_sum, rows_view, store_row,
+                   thread_split, vector, wide_copy)
 
-MAX_THREADS = 1024
 TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
-CTAS_PER_SM = 2  # 256 threads x ~100 registers
-MAX_HIDDEN = 16384
+CTAS_PER_SM = 2  # 256 threads x 128 registers
 
 
 def _range(c, tokens, ctas):
@@ -46,10 +45,7 @@ class EmbeddingRmsNormBackward:
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden, self.accumulate = hidden, accumulate
-        vectors = hidden // VECTOR
-        self.threads = min(MAX_THREADS, max(32, 32 * -(-vectors // (32 * TARGET_VECTORS_PER_THREAD))))
-        self.vectors_per_thread = -(-vectors // self.threads)
-        self.warps = self.threads // 32
+        self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         self.fixup = SegmentFixup(hidden, accumulate)
         self.column_sum = ColumnSum(hidden)
 
@@ -228,15 +224,13 @@ def _fake_args(hidden: int, ids_dtype):
     sorted ids and their order, vocabulary and workspace rows free; H static."""
     batch, seq, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     vocab, workspace_rows = cute.sym_int32(), cute.sym_int32()
-    row_strides = lambda: (cute.sym_int64(divisibility=VECTOR), cute.sym_int64(divisibility=VECTOR), 1)
-    rows_of = lambda dtype: runtime.fake_tensor(dtype, (batch, seq, hidden), row_strides(), VECTOR * dtype.width // 8)
-    rstd = runtime.fake_tensor(Float32, (batch, seq, 1), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
+    rstd = fake_rstd(batch, seq)
     weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
     sorted_ids = runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8)
     order = runtime.fake_tensor(Int64, (tokens,), (1,), 8)
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
-    return (rows_of(BFloat16), rows_of(Float32), rstd, weight, sorted_ids, order, table, weight, workspace, Int32(1))
+    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, weight, sorted_ids, order, table, weight, workspace, Int32(1))
 
 
 def _build(hidden: int, accumulate: bool, ids_dtype, arch: str, dump_dir=None):
@@ -249,19 +243,16 @@ def _build(hidden: int, accumulate: bool, ids_dtype, arch: str, dump_dir=None):
 def _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size):
     import torch
 
-    from .checks import check_same_device, check_tensor
+    from .checks import check_hidden_size, check_row_strides, check_same_device, check_tensor
 
     check_tensor("grad_output", grad_output, dtypes=torch.bfloat16, ndim=3, contiguous=False, align=8)
     batch, seq, hidden = grad_output.shape
-    if hidden % 8 or not 0 < hidden <= MAX_HIDDEN:
-        raise ValueError(f"grad_output: hidden size must be a positive multiple of 8 up to {MAX_HIDDEN}, got {hidden}")
+    check_hidden_size("grad_output", hidden, MAX_HIDDEN)
     check_tensor("input_ids", input_ids, dtypes=(torch.int64, torch.int32), shape=(batch, seq),
                  contiguous=False, align=1)
     check_tensor("hidden_states", hidden_states, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
     for name, t in (("grad_output", grad_output), ("hidden_states", hidden_states)):
-        if t.stride(2) != 1 or t.stride(0) % VECTOR or t.stride(1) % VECTOR:
-            raise ValueError(f"{name}: needs a contiguous last dimension and batch/seq strides that are "
-                             f"multiples of {VECTOR}, got strides {t.stride()}")
+        check_row_strides(name, t, VECTOR)
     check_tensor("rstd", rstd, dtypes=torch.float32, shape=(batch, seq, 1), contiguous=False, align=4)
     check_tensor("weight", weight, dtypes=torch.float32, shape=(hidden,))
     check_same_device(grad_output=grad_output, input_ids=input_ids, hidden_states=hidden_states, rstd=rstd,

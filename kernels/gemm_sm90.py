@@ -273,12 +273,13 @@ def matmul_nt(a, b, *, out=None, tiling: GemmTiling | None = None):
     check_same_device(a=a, b=b, out=out)
     tiling = tiling or default_tiling(m, n, k)
     key = (tiling, a_k_major, b_k_major, a.device.index)
-    run = _entries.get(key)
-    if run is None:
+    entry = _entries.get(key)
+    if entry is None:  # (compiled function, SM count: one persistent CTA per SM)
         if runtime.device_arch(a.device.index) != "sm_90a":
             raise NotImplementedError("the GEMM core runs on Hopper (sm_90a) only so far")
-        run = _entries[key] = runtime.ffi_function(build(tiling, a_k_major, b_k_major))
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        entry = _entries[key] = (runtime.ffi_function(build(tiling, a_k_major, b_k_major)),
+                                 torch.cuda.get_device_properties(a.device).multi_processor_count)
+    run, sms = entry
     run(a, b, out, sms)
     return out
 

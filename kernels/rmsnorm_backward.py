@@ -26,10 +26,9 @@ from cutlass import BFloat16, Float32, Int32
 
 from . import runtime
 from .column_sum import ColumnSum
-from .rows import (VECTOR, alloc_ring, cp_async_atoms, fetch_row, read_row, ring_stages, row_sum, rows_view,
-                   vector, wide_copy)
+from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, fake_rows, fake_rstd, fetch_row, read_row,
+                   ring_stages, row_sum, rows_view, thread_split, vector, wide_copy)
 
-MAX_THREADS = 1024
 TARGET_VECTORS_PER_THREAD = 5  # H = 2560 -> 128 threads x 5 vectors, no predication
 PREFETCH_MAX_BYTES = 56 * 1024  # ring size per CTA: four CTAs per SM still fit
 MAX_STAGES = 4  # H = 2560: 2 stages (51 KB) with normalized, 3 (46 KB) without
@@ -41,16 +40,12 @@ class FusedResidualRmsNormBackward:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden = hidden
         self.read_normalized = read_normalized
-        vectors = hidden // VECTOR
-        self.threads = min(MAX_THREADS, max(32, 32 * -(-vectors // (32 * TARGET_VECTORS_PER_THREAD))))
-        self.vectors_per_thread = -(-vectors // self.threads)
-        self.warps = self.threads // 32
+        self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
         # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
         # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a
         # row: no ring.
         self.stages = ring_stages(hidden * (2 + 4 + (4 if read_normalized else 0)), PREFETCH_MAX_BYTES, MAX_STAGES)
-        self.prefetch = self.stages > 0
         self.column_sum = ColumnSum(hidden)
 
     @cute.jit
@@ -85,7 +80,6 @@ class FusedResidualRmsNormBackward:
         smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
         load_bf16, load_f32 = wide_copy(BFloat16), wide_copy(Float32)
-        store_bf16, store_f32 = load_bf16, load_f32
         # Inputs of a row, in the order fetch_row/read_row take them.
         sources = (m_go, m_x, m_norm) if cutlass.const_expr(self.read_normalized) else (m_go, m_x)
 
@@ -103,7 +97,7 @@ class FusedResidualRmsNormBackward:
                 cute.copy(load_f32, vector(m_w, tidx + k * threads), staging_f32)
                 weight[None, k].store(staging_f32.load())
 
-        if cutlass.const_expr(self.prefetch):
+        if cutlass.const_expr(self.stages > 0):
             # Ring in shared memory: rows it + 1 .. it + S - 1 stream in (cp.async) while row it is
             # computed. Each thread copies and later reads only its own vectors, so the ring
             # needs no barrier, just the thread's own cp.async groups (one per row).
@@ -119,7 +113,7 @@ class FusedResidualRmsNormBackward:
         for it in cutlass.range(0, my_rows):
             row = bidx + it * ctas
             rstd = m_rstd[row]
-            if cutlass.const_expr(self.prefetch):
+            if cutlass.const_expr(self.stages > 0):
                 # The slot refilled here held row it - 1, which this thread has already read.
                 if it + ring - 1 < my_rows:
                     fetch_row(fetches, tuple(s[row + (ring - 1) * ctas, None] for s in sources), stages,
@@ -146,19 +140,18 @@ class FusedResidualRmsNormBackward:
                     gk, xk = g[None, k].load(), xs[None, k].load()
                     dx = (rstd * (gk * weight[None, k].load() - xk * scale)).to(BFloat16)
                     staging_bf16.store(dx)
-                    cute.copy(store_bf16, staging_bf16, vector(m_gh[row, None], tidx + k * threads))
-                    cute.copy(store_bf16, staging_bf16, vector(m_gr[row, None], tidx + k * threads))
+                    cute.copy(load_bf16, staging_bf16, vector(m_gh[row, None], tidx + k * threads))
+                    cute.copy(load_bf16, staging_bf16, vector(m_gr[row, None], tidx + k * threads))
 
         # Let the column sum launch now; its griddepcontrol.wait still waits for these partials.
         cute.arch.griddepcontrol_launch_dependents()
         for k in cutlass.range_constexpr(vpt):
             if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                 staging_f32.store(grad_weight[None, k].load())
-                cute.copy(store_f32, staging_f32, vector(m_part[bidx, None], tidx + k * threads))
+                cute.copy(load_f32, staging_f32, vector(m_part[bidx, None], tidx + k * threads))
 
 
-CTAS_PER_SM = 4  # 128 threads x ~100 registers: four CTAs (four rows in flight) per SM
-MAX_HIDDEN = 16384
+CTAS_PER_SM = 4  # 128 threads x ~125 registers, <= 56 KB of ring: four CTAs (rows in flight) per SM
 
 
 def _fake_args(hidden: int, read_normalized: bool):
@@ -166,10 +159,8 @@ def _fake_args(hidden: int, read_normalized: bool):
     call checks in C that every [b, s, ...] tensor agrees; strides are free (multiples of VECTOR
     elements, so every row start is vector aligned); H is static."""
     batch, seq, workspace_rows = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    row_strides = lambda: (cute.sym_int64(divisibility=VECTOR), cute.sym_int64(divisibility=VECTOR), 1)
-    rows_of = lambda dtype: runtime.fake_tensor(dtype, (batch, seq, hidden), row_strides(),
-                                                VECTOR * dtype.width // 8)
-    rstd = runtime.fake_tensor(Float32, (batch, seq, 1), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
+    rows_of = lambda dtype: fake_rows(dtype, batch, seq, hidden)
+    rstd = fake_rstd(batch, seq)
     weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     normalized = rows_of(Float32) if read_normalized else None
@@ -191,19 +182,17 @@ def _check_inputs(grad_output, x, normalized, rstd, weight):
     and to explain any call the compiled function's own (C) checks reject."""
     import torch
 
-    from .checks import check_same_device, check_tensor
+    from .checks import check_hidden_size, check_row_strides, check_same_device, check_tensor
 
     check_tensor("grad_output", grad_output, dtypes=torch.bfloat16, ndim=3, contiguous=False, align=8)
     batch, seq, hidden = grad_output.shape
-    if hidden % 8 or not 0 < hidden <= MAX_HIDDEN:
-        raise ValueError(f"grad_output: hidden size must be a positive multiple of 8 up to {MAX_HIDDEN}, got {hidden}")
+    check_hidden_size("grad_output", hidden, MAX_HIDDEN)
     check_tensor("x", x, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
     if normalized is not None:
         check_tensor("normalized", normalized, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
     for name, t in (("grad_output", grad_output), ("x", x), ("normalized", normalized)):
-        if t is not None and (t.stride(2) != 1 or t.stride(0) % VECTOR or t.stride(1) % VECTOR):
-            raise ValueError(f"{name}: needs a contiguous last dimension and batch/seq strides that are "
-                             f"multiples of {VECTOR}, got strides {t.stride()}")
+        if t is not None:
+            check_row_strides(name, t, VECTOR)
     check_tensor("rstd", rstd, dtypes=torch.float32, shape=(batch, seq, 1), contiguous=False, align=4)
     check_tensor("weight", weight, dtypes=torch.float32, shape=(hidden,))
     check_same_device(grad_output=grad_output, x=x, normalized=normalized, rstd=rstd, weight=weight)

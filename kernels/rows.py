@@ -12,6 +12,32 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
 VECTOR = 4  # elements per access
+MAX_THREADS = 1024
+MAX_HIDDEN = 16384  # the largest row the norm-backward ops accept (4 vectors per thread at 1024 threads)
+
+
+def thread_split(hidden: int, target_vectors_per_thread: int):
+    """(threads, vectors per thread, warps) for a row of `hidden` elements: whole warps, about
+    `target_vectors_per_thread` vectors each, at most MAX_THREADS."""
+    vectors = hidden // VECTOR
+    threads = min(MAX_THREADS, max(32, 32 * -(-vectors // (32 * target_vectors_per_thread))))
+    return threads, -(-vectors // threads), threads // 32
+
+
+def fake_rows(dtype, batch, seq, hidden: int):
+    """Compile-time stand-in for a [batch, seq, hidden] tensor: free batch/seq strides that are
+    multiples of VECTOR (every row start vector aligned), contiguous rows, VECTOR-aligned base."""
+    from . import runtime
+
+    strides = (cute.sym_int64(divisibility=VECTOR), cute.sym_int64(divisibility=VECTOR), 1)
+    return runtime.fake_tensor(dtype, (batch, seq, hidden), strides, VECTOR * dtype.width // 8)
+
+
+def fake_rstd(batch, seq):
+    """Compile-time stand-in for an fp32 [batch, seq, 1] rstd with any strides."""
+    from . import runtime
+
+    return runtime.fake_tensor(Float32, (batch, seq, 1), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), 4)
 
 
 def vector(row_tensor, index):
