@@ -72,3 +72,57 @@ def default_tiling(m: int, n: int, k: int) -> GemmTiling:
     if m <= 128 or n <= 128:
         return GemmTiling(tile_m=64, tile_n=128)
     return GemmTiling(tile_m=128, tile_n=128)
+
+
+# Stream-K (hybrid): the first `dp_tiles` tiles go out whole, round-robin (tile = cta + u * ctas);
+# the last `tiles - dp_tiles` tiles are cut into k-iterations dealt out evenly, `per` consecutive
+# iterations to each CTA, so the last wave has no idle SMs. A tile cut between CTAs is finished
+# by the CTA holding its last k-iteration, which adds the others' fp32 partial tiles in CTA
+# order (a fixed order: the result is bitwise repeatable). Every CTA works its stream-K range
+# last tile first, so the partial it hands on is ready early and the finisher waits little.
+# The functions below are plain integer arithmetic: kernels pass the DSL's min/max and run them
+# on device integers.
+
+def stream_k_range(cta, per, total, minimum=min):
+    """[start, end) of the CTA's k-iterations in the stream-K region (`total` iterations)."""
+    start = minimum(cta * per, total)
+    return start, minimum(start + per, total)
+
+
+def stream_k_count(start, end, k_tiles):
+    """How many tiles the CTA's range [start, end) touches (0 for an empty range at a tile edge,
+    which is where empty ranges always are: `total` is a multiple of k_tiles)."""
+    return (end + k_tiles - 1) // k_tiles - start // k_tiles
+
+
+def stream_k_segment(s, start, end, k_tiles, minimum=min, maximum=max):
+    """(tile within the stream-K region, first k-tile, end k-tile) of the CTA's s-th segment,
+    counting from its range's last tile."""
+    tile = (end + k_tiles - 1) // k_tiles - 1 - s
+    return tile, maximum(start - tile * k_tiles, 0), minimum(end - tile * k_tiles, k_tiles)
+
+
+def stream_k_plan(tiles: int, k_tiles: int, ctas: int, min_iterations: int = 4) -> tuple[int, int]:
+    """(dp_tiles, per) for `tiles` output tiles of `k_tiles` k-iterations on `ctas` persistent
+    CTAs. Whole waves stay data-parallel; a ragged last wave and one full wave before it (so
+    each CTA's range spans at most two tiles) go stream-K, unless a CTA's share would be under
+    `min_iterations` k-iterations (fix-up traffic would outweigh the balance). per == 0: no
+    stream-K."""
+    if tiles % ctas == 0:
+        return tiles, 0
+    sk_tiles = tiles % ctas + (ctas if tiles > ctas else 0)
+    per = -(-sk_tiles * k_tiles // ctas)
+    if per < min_iterations:
+        return tiles, 0
+    return tiles - sk_tiles, per
+
+
+def cta_work(cta: int, ctas: int, tiles: int, k_tiles: int, dp_tiles: int, per: int):
+    """The (tile, k_begin, k_end) units CTA `cta` works, in order: what the kernel's producer
+    and consumers walk (the reference the tests check the schedule with)."""
+    units = [(tile, 0, k_tiles) for tile in range(cta, dp_tiles, ctas)]
+    start, end = stream_k_range(cta, per, (tiles - dp_tiles) * k_tiles)
+    for s in range(stream_k_count(start, end, k_tiles)):
+        tile, k_begin, k_end = stream_k_segment(s, start, end, k_tiles)
+        units.append((dp_tiles + tile, k_begin, k_end))
+    return units
