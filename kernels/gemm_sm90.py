@@ -1,22 +1,25 @@
-"""Hopper GEMM core (WORK IN PROGRESS, never executed): C[M, N] = A[M, K] . B[N, K]^T.
-
-bf16 operands, fp32 accumulation, bf16 C. A is K- or M-major and B K- or N-major, which
-covers both products of a linear layer's backward read in place through transposed views:
+"""Hopper GEMM core: C[M, N] = A[M, K] . B[N, K]^T, bf16 operands, fp32 accumulation, bf16
+or fp32 C. A is K- or M-major and B K- or N-major, which covers both products of a linear
+layer's backward read in place through transposed views:
     dX = dY . W      A = dY [T, out] (K-major),    B = W^T view [in, out] (N-major)
     dW = dY^T . X    A = dY^T view [out, T] (M-major), B = X^T view [in, T] (N-major)
 
-Structure (warp-specialized, persistent):
+Structure (warp-specialized, persistent, one CTA per SM):
 - warpgroup 0 is the producer: one warp issues TMA loads of A and B k-tiles into a
   `stages`-deep shared-memory ring (PipelineTmaAsync: full/empty mbarriers), and gives most
-  of its registers to the consumers (setmaxnreg);
+  of its registers to the consumers (setmaxnreg). In a 2 x 1 (or 1 x 2) cluster each CTA
+  loads half of the shared operand tile and multicasts it to its peer;
 - warpgroups 1.. are consumers: warpgroup MMAs (64 rows each) from shared memory into fp32
-  registers, then the epilogue: registers -> bf16 -> shared memory (stmatrix) -> TMA store,
-  one epilogue tile at a time;
-- persistent CTAs (one per SM) take output tiles bidx, bidx + grid, ... in the grouped
-  order of layouts.gemm.tile_coord. Ragged edges (M, N, K not tile multiples) are TMA's bounds: loads fill zeros,
-  stores clip.
-The tiling (tile shape, stages, cluster, raster) comes from layouts/gemm.py and is shared
-with the Blackwell twin. Clusters/multicast are described there but not used yet (1x1).
+  registers, then the epilogue: registers -> C type -> shared memory (stmatrix) -> TMA store,
+  one epilogue piece at a time;
+- the schedule (layouts.gemm): cluster tiles in grouped order, whole waves data-parallel
+  (tile = cluster + u * clusters); a ragged last wave (plus one full wave) is hybrid stream-K:
+  its k-iterations are dealt out evenly, and the cluster that holds a tile's last k-iterations
+  adds the other clusters' fp32 partial tiles (workspace + ready flags) in cluster order, so
+  the result is bitwise repeatable.
+Ragged edges (M, N, K not tile multiples) are TMA's bounds: loads fill zeros, stores clip.
+The tiling (tile shape, cluster, raster) comes from layouts/gemm.py, shared with the Blackwell
+twin. Measured against cuBLAS: tools/reports/gemm-notes.md.
 """
 from __future__ import annotations
 
@@ -46,8 +49,6 @@ def _with_unit_batch(t):
 class Sm90Gemm:
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16):
         tiling.check_sm90()
-        if tiling.cluster_m * tiling.cluster_n != 1:
-            raise NotImplementedError("clusters are not wired up yet: use a 1x1 cluster")
         self.tiling = tiling
         self.a_layout = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
@@ -58,6 +59,8 @@ class Sm90Gemm:
         self.threads = WARPGROUP * (1 + self.consumers)
         self.stages = tiling.mainloop_stages(SM90_SMEM_BYTES, c_bytes=c_dtype.width // 8)
         self.epi_tile = tiling.epilogue_tile()
+        self.cluster = (tiling.cluster_m, tiling.cluster_n)
+        self.cluster_size = tiling.cluster_m * tiling.cluster_n
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor,
@@ -73,11 +76,14 @@ class Sm90Gemm:
         a_smem = sm90.make_smem_layout_a(self.a_layout, self.tile_mnk, BFloat16, self.stages)
         b_smem = sm90.make_smem_layout_b(self.b_layout, self.tile_mnk, BFloat16, self.stages)
         c_smem = sm90.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, t.epilogue_stages)
-        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        # In a cluster, the CTAs of one cluster column share A's tile and those of one cluster
+        # row share B's: each loads a slice and multicasts it to the others.
         tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, a, cute.slice_(a_smem, (None, None, 0)), (t.tile_m, t.tile_k))
+            _tma_load_op(t.cluster_n), a, cute.slice_(a_smem, (None, None, 0)), (t.tile_m, t.tile_k),
+            num_multicast=t.cluster_n)
         tma_b, tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load, b, cute.slice_(b_smem, (None, None, 0)), (t.tile_n, t.tile_k))
+            _tma_load_op(t.cluster_m), b, cute.slice_(b_smem, (None, None, 0)), (t.tile_n, t.tile_k),
+            num_multicast=t.cluster_m)
         tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
 
@@ -91,7 +97,7 @@ class Sm90Gemm:
         self.storage = Storage
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1),
+                    schedule).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
                                      min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -107,16 +113,23 @@ class Sm90Gemm:
             for atom in (tma_a, tma_b, tma_c):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
+        cta_layout = cute.make_layout((*self.cluster, 1))  # rank in cluster -> (m, n, 0) within it
+        cluster_coord = cta_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        a_peers = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1)  # same m, all n
+        b_peers = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)  # same n, all m
+
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         stage_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
-        # One producer thread arms each stage; every consumer warp releases it.
+        # One producer thread arms each stage; every consumer warp releases it, in this CTA and
+        # in each peer that multicasts into it (a stage is refilled only once all readers are done).
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumers * 4),
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     (sum(self.cluster) - 1) * self.consumers * 4),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *self.cluster, 1)), defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster, is_relaxed=True)
 
         s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         s_b = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
@@ -125,38 +138,43 @@ class Sm90Gemm:
         g_a = cute.local_tile(m_a, (t.tile_m, t.tile_k), (None, None, None))
         g_b = cute.local_tile(m_b, (t.tile_n, t.tile_k), (None, None, None))
         g_c = cute.local_tile(m_c, (t.tile_m, t.tile_n), (None, None, None))
-        t_sa, t_ga = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2),
-                                                      cute.group_modes(g_a, 0, 2))
-        t_sb, t_gb = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2),
-                                                      cute.group_modes(g_b, 0, 2))
+        t_sa, t_ga = cute.nvgpu.cpasync.tma_partition(tma_a, cluster_coord[1], cute.make_layout(t.cluster_n),
+                                                      cute.group_modes(s_a, 0, 2), cute.group_modes(g_a, 0, 2))
+        t_sb, t_gb = cute.nvgpu.cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(t.cluster_m),
+                                                      cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
         k_tiles = cute.size(g_a, mode=[3])
-        tiles_m, tiles_n = cute.size(g_c, mode=[2]), cute.size(g_c, mode=[3])
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        # The schedule deals out cluster tiles (cluster_m x cluster_n CTA tiles); a CTA whose
+        # tile lies past M or N still loads its share for its peers (TMA fills zeros, stores clip).
+        tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m)
+        tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp == 0:
-                units, work = _work(schedule, tiles_m * tiles_n, k_tiles)
+                units, work = _work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for u in cutlass.range(units):
                     tile, k_begin, k_end = _unit(u, work)
-                    m, n = tile_coord(tile, tiles_m, tiles_n, t.group_m, cutlass.min)
+                    m, n = self._cta_tile(tile, tiles_m, tiles_n, cluster_coord)
                     for k in cutlass.range(k_begin, k_end):
                         ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
-                        cute.copy(tma_a, t_ga[(None, m, k, 0)], t_sa[(None, state.index)], tma_bar_ptr=barrier)
-                        cute.copy(tma_b, t_gb[(None, n, k, 0)], t_sb[(None, state.index)], tma_bar_ptr=barrier)
+                        cute.copy(tma_a, t_ga[(None, m, k, 0)], t_sa[(None, state.index)], tma_bar_ptr=barrier,
+                                  mcast_mask=a_peers if cutlass.const_expr(t.cluster_n > 1) else 0)
+                        cute.copy(tma_b, t_gb[(None, n, k, 0)], t_sb[(None, state.index)], tma_bar_ptr=barrier,
+                                  mcast_mask=b_peers if cutlass.const_expr(t.cluster_m > 1) else 0)
                         ring.producer_commit(state)
                         state.advance()
                 ring.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles,
-                          tiles_m, tiles_n, partials, flags, tidx - WARPGROUP, warp)
+                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp)
 
     @cute.jit
-    def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles, tiles_m, tiles_n, partials,
-                 flags, ctidx, warp):
+    def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles, tiles_m, tiles_n,
+                 cluster_coord, partials, flags, ctidx, warp):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
         stream-K units hand partial tiles on or gather them first."""
         # A warpgroup MMA is issued by the warpgroup as a whole: every thread of a consumer
@@ -194,8 +212,9 @@ class Sm90Gemm:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         done = Int32(0)  # tiles finished by this CTA: picks the epilogue's shared-memory buffer
-        units, work = _work(schedule, tiles_m * tiles_n, k_tiles)
-        cta = work[0]
+        units, work = _work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+        slot, _, _ = cute.arch.block_idx()  # this CTA's partial-tile slot and flag
+        rank = slot % self.cluster_size
         for u in cutlass.range(units):
             tile, k_begin, k_end = _unit(u, work)
             acc.fill(0.0)
@@ -220,37 +239,38 @@ class Sm90Gemm:
 
             if k_end < k_tiles:
                 # Not this tile's last k-iterations: hand the partial tile to its finisher.
-                mine = partials[cta, None]
+                mine = partials[slot, None]
                 for j in cutlass.range_constexpr(vectors):
                     staging.store(acc_vectors[None, j].load())
                     cute.copy(partial_copy, staging, _partial_vector(mine, j, ctidx, consumer_threads))
                 consumers_sync.arrive_and_wait()
                 if ctidx == 0:  # release: the stores above, ordered by the barrier, come first
-                    cute.arch.atomic_add(flags.iterator + cta, Int32(1), sem="release", scope="gpu")
+                    cute.arch.atomic_add(flags.iterator + slot, Int32(1), sem="release", scope="gpu")
             else:
                 if k_begin > 0:
                     # Add the earlier k-iterations' partials, CTA by CTA in order (fixed order).
-                    for owner in cutlass.range(_owner(tile, work), cta):
+                    for owner in cutlass.range(_owner(tile, work), work[0]):
+                        theirs = owner * self.cluster_size + rank  # the same rank of the owner cluster
                         if ctidx == 0:
-                            while cute.arch.load(flags.iterator + owner, Int32, sem="acquire", scope="gpu") == 0:
+                            while cute.arch.load(flags.iterator + theirs, Int32, sem="acquire", scope="gpu") == 0:
                                 pass
-                            flags[owner] = 0  # ready for the next call
+                            flags[theirs] = 0  # ready for the next call
                         consumers_sync.arrive_and_wait()
-                        theirs = partials[owner, None]
+                        theirs = partials[theirs, None]
                         for j in cutlass.range_constexpr(vectors):
                             cute.copy(partial_copy, _partial_vector(theirs, j, ctidx, consumer_threads), staging)
                             acc_vectors[None, j].store(acc_vectors[None, j].load() + staging.load())
+                m, n = self._cta_tile(tile, tiles_m, tiles_n, cluster_coord)
                 self._epilogue(acc, r2s, r2s_acc, r2s_dst, piece, piece_c, piece_size, s_c, g_c, tma_c,
-                               tile, tiles_m, tiles_n, done, consumers_sync, stores, warp)
+                               m, n, done, consumers_sync, stores, warp)
                 done += 1
         stores.producer_tail()
 
     @cute.jit
-    def _epilogue(self, acc, r2s, r2s_acc, r2s_dst, piece, piece_c, piece_size, s_c, g_c, tma_c, tile, tiles_m,
-                  tiles_n, done, consumers_sync, stores, warp):
-        """The finished tile: registers -> C type -> shared memory -> TMA store, one epilogue
-        piece at a time through `epilogue_stages` buffers."""
-        m, n = tile_coord(tile, tiles_m, tiles_n, self.tiling.group_m, cutlass.min)
+    def _epilogue(self, acc, r2s, r2s_acc, r2s_dst, piece, piece_c, piece_size, s_c, g_c, tma_c, m, n,
+                  done, consumers_sync, stores, warp):
+        """The finished tile (m, n): registers -> C type -> shared memory -> TMA store, one
+        epilogue piece at a time through `epilogue_stages` buffers."""
         g_tile = cute.zipped_divide(g_c[(None, None, m, n, 0)], self.epi_tile)
         s_part, g_part = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
                                                           cute.group_modes(s_c, 0, 2), g_tile)
@@ -272,6 +292,18 @@ class Sm90Gemm:
             consumers_sync.arrive_and_wait()
 
 
+    def _cta_tile(self, tile, tiles_m, tiles_n, cluster_coord):
+        """(m, n) tile of this CTA for cluster tile `tile` of the grouped order."""
+        m, n = tile_coord(tile, tiles_m, tiles_n, self.tiling.group_m, cutlass.min)
+        return m * self.tiling.cluster_m + cluster_coord[0], n * self.tiling.cluster_n + cluster_coord[1]
+
+
+def _tma_load_op(peers: int):
+    if peers == 1:
+        return cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+    return cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+
+
 VECTOR = 4  # fp32 accumulators per 16-byte access of a partial tile
 
 
@@ -283,13 +315,15 @@ def _partial_vector(slot, j, thread, threads):
     return vectors[None, thread, j]
 
 
-def _work(schedule, tiles, k_tiles):
-    """This CTA's units of work (layouts.gemm's hybrid stream-K schedule on device integers):
-    whole tiles cta, cta + ctas, ... below dp_tiles, then its stream-K range, last tile first.
+def _work(schedule, tiles, k_tiles, cluster_size):
+    """This cluster's units of work (layouts.gemm's hybrid stream-K schedule on device
+    integers, over cluster tiles): whole tiles cta, cta + ctas, ... below dp_tiles (cta being
+    the cluster's index, ctas the cluster count), then its stream-K range, last tile first.
     -> (unit count, the tuple `_unit` and `_owner` read)."""
     dp_tiles, per = schedule
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
+    cta, ctas = cta // cluster_size, ctas // cluster_size
     # whole tiles: ceil((dp_tiles - cta) / ctas), a non-negative numerator as cta < ctas
     dp_units = (dp_tiles - cta + ctas - 1) // ctas
     start, end = stream_k_range(cta, per, (tiles - dp_tiles) * k_tiles, cutlass.min)
@@ -400,14 +434,23 @@ _compiled: dict = {}  # (tiling, a K-major?, b K-major?, C dtype, device) -> (TV
 _calls: dict = {}  # (M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked) -> _Call
 
 
+MIN_ITERATIONS = 4  # k-iterations a stream-K share must have to be worth its partial-tile traffic
+
+
 class _Call:
     """What one shape needs per call, resolved on its first call."""
 
     def __init__(self, run, sms: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k):
-        tiles = -(-m // tiling.tile_m) * -(-n // tiling.tile_n)
-        self.run, self.ctas = run, max(1, min(sms, tiles))  # an empty C never launches
-        self.dp_tiles, self.per = stream_k_plan(tiles, -(-k // tiling.tile_k), self.ctas,
-                                                min_iterations=1 if stream_k else 4)
+        # The schedule deals out cluster tiles to clusters (one CTA per SM, at most one cluster
+        # per tile). Measured: letting stream-K spread few tiles over more clusters (split-K
+        # style) made the short-M and long-K products slower, not faster (gemm-notes.md).
+        size = tiling.cluster_m * tiling.cluster_n
+        tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n))
+        k_tiles = -(-k // tiling.tile_k)
+        clusters = max(1, min(sms // size, tiles))  # an empty C never launches
+        self.run, self.ctas = run, clusters * size
+        self.dp_tiles, self.per = stream_k_plan(tiles, k_tiles, clusters,
+                                                min_iterations=1 if stream_k else MIN_ITERATIONS)
         if stream_k is False:
             self.dp_tiles, self.per = tiles, 0
         elements = tiling.tile_m * tiling.tile_n
@@ -473,11 +516,14 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
 
 
 AUDIT_BUILDS = {
-    f"gemm_sm90[{t.tile_m}x{t.tile_n},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}]":
+    f"gemm_sm90[{t.tile_m}x{t.tile_n},cluster {t.cluster_m}x{t.cluster_n},A {'K' if ak else 'M'}-major,"
+    f"B {'K' if bk else 'N'}-major,C {c}]":
         (lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c: build(t, ak, bk, c, arch, dump_dir))
     for t, ak, bk, c in ((GemmTiling(), True, False, "bfloat16"), (GemmTiling(tile_n=256), False, False, "bfloat16"),
+                         (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
                          (GemmTiling(tile_m=64), True, True, "bfloat16"), (GemmTiling(), True, False, "float32"))
 }
-# Warpgroup MMAs fed by TMA loads, TMA-store epilogue, no spills. Hopper only: sm_100a has no
-# warpgroup MMA; its twin (tcgen05) is a separate build.
-AUDIT_EXPECTS = {"sm_90a": {"require": ["HGMMA", "UTMALDG", "UTMASTG"], "forbid": ["LOCAL"]}}
+# Warpgroup MMAs fed by TMA loads, TMA-store epilogue, no spills; the stream-K ready flags are
+# integer atomics, never float ones (partials are added in a fixed order). Hopper only: sm_100a
+# has no warpgroup MMA; its twin (tcgen05) is a separate build.
+AUDIT_EXPECTS = {"sm_90a": {"require": ["HGMMA", "UTMALDG", "UTMASTG"], "forbid": ["LOCAL", "ATOM/RED.FLOAT"]}}

@@ -48,6 +48,18 @@ def test_violations_catch_missing_and_forbidden():
     assert len(problems) == 2
 
 
+def test_float_atomics_are_their_own_subset():
+    sass = """
+        /*01a0*/               @P0 ATOMG.E.ADD.STRONG.GPU PT, R17, desc[UR6][R4.64], R15 ;
+        /*0210*/                   REDG.E.ADD.S32.STRONG.GPU desc[UR6][R2.64], R15 ;
+        /*00a0*/                   ATOMG.E.ADD.F32.FTZ.RN.STRONG.GPU PT, RZ, desc[UR6][R2.64], R11 ;
+        /*00b0*/                   RED.E.ADD.BF16x2.RN.STRONG.GPU desc[UR6][R2.64], R11 ;
+    """
+    _, families = audit.count_instructions(sass)
+    assert families == {"ATOM/RED": 4, "ATOM/RED.FLOAT": 2}
+    assert not audit.is_float_atomic("ATOMG.E.EXCH.STRONG.GPU")
+
+
 def test_count_instructions_parses_predicated_lines():
     sass = """
         /*0170*/                   LDG.E.128 R4, desc[UR6][R4.64] ;

@@ -15,3 +15,22 @@ def test_table_shows_host_time_where_measured():
     large = dict(row, seq_len=8192, graph_ms=None, host_us=None)
     table = bench.format_tables([row, large], bench.summarize([row, large]))
     assert "host us" in table and "12.5" in table
+
+
+def test_gemm_bench_covers_the_issue_products():
+    from cutebwd.tools import bench_gemm
+
+    cases = bench_gemm.products(bench_gemm.TOKENS)
+    assert len(cases) == 4 * 5 * 2  # T values x layer widths x (dX, dW)
+    assert ("dW T=8192 1536x640", 8192, 1536, 640, "dW") in cases
+
+
+def test_gemm_summary_is_over_the_layer_products():
+    from cutebwd.tools import bench_gemm
+
+    rows = [{"name": n, "ratio": r, "graph_ratio": r, "ok": True, "flops": 1e9, "ours_us": 10.0,
+             "cublas_us": 10.0 / r, "ours_graph_us": 5.0, "cublas_graph_us": 5.0 / r}
+            for n, r in (("dX T=128 5120x5120", 0.5), ("dW T=128 5120x5120", 2.0), ("8192^3", 9.0))]
+    summary = bench_gemm.summarize(rows)
+    assert summary["products"] == 2 and abs(summary["geomean_ratio"] - 1.0) < 1e-12 and summary["max_ratio"] == 2.0
+    assert "geometric mean 1.000" in bench_gemm.format_table(rows, summary)

@@ -81,6 +81,19 @@ def test_grad_weight_is_bitwise_repeatable():
 
 
 @pytest.mark.gpu
+def test_back_to_back_calls_with_changing_cta_counts():
+    """Calls on one stream share its partial-sum workspace: calls whose CTA count changes from
+    one to the next (1, 7, 300, then the full grid) must not mix sums; each grad_weight equals
+    its shape's lone result bitwise."""
+    shapes = [(1, 1), (1, 7), (1, 300), (8, 1024)]
+    inputs = {shape: PROBLEM.make_inputs(*shape, device="cuda", seed=shape[1]) for shape in shapes}
+    alone = {shape: kernel(*inputs[shape])[2].clone() for shape in shapes}
+    results = [(shape, kernel(*inputs[shape])[2]) for _ in range(10) for shape in shapes]
+    torch.cuda.synchronize()
+    assert all(torch.equal(grad_weight, alone[shape]) for shape, grad_weight in results)
+
+
+@pytest.mark.gpu
 def test_gpu_argument_errors():
     go, x, n, r, w = _inputs(hidden=2560, device="cuda")
     with pytest.raises(ValueError, match="x: expected shape"):

@@ -1,5 +1,7 @@
 """GEMM core: the tiling description and argument errors on any machine; the sm_90a kernel
 on the GPU."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -47,7 +49,8 @@ def _reference(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_view,b_view", [("k", "n"), ("m", "n"), ("k", "k")])
 @pytest.mark.parametrize("m,n,k", [(128, 128, 64), (296, 520, 64), (1000, 776, 1000), (2048, 5120, 512)])
-def test_matches_an_fp32_matmul(a_view, b_view, m, n, k):
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1)])
+def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster):
     """Sizes that are not tile multiples (TMA bounds), K = 64 (one k-tile), both operand
     majors; extents stay multiples of 8 because TMA needs 16-byte strides."""
     from cutebwd.kernels.gemm_sm90 import matmul_nt
@@ -58,7 +61,8 @@ def test_matches_an_fp32_matmul(a_view, b_view, m, n, k):
     b = torch.randn(n, k, device="cuda", generator=g).bfloat16() if b_view == "k" else \
         torch.randn(k, n, device="cuda", generator=g).bfloat16().t()
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    matmul_nt(a, b, out=out)
+    matmul_nt(a, b, out=out, tiling=dataclasses.replace(default_tiling(m, n, k), cluster_m=cluster[0],
+                                                        cluster_n=cluster[1]))
     ref = _reference(a, b)
     assert not out.isnan().any()
     assert torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref) < 1e-2
@@ -133,16 +137,17 @@ def test_stream_k_schedule_covers_every_k_iteration_once(tiles, k_tiles, ctas):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("tile_n,cluster", [(128, (1, 1)), (256, (1, 1)), (256, (2, 1)), (128, (1, 2))])
 @pytest.mark.parametrize("m,n,k", [(512, 5120, 1024), (128, 1280, 4096), (1000, 776, 1000), (2048, 640, 512)])
-def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_n):
-    """Stream-K forced on (ragged last waves cut into k-iterations): right against fp32, the
-    same bits as the data-parallel schedule is not promised, but the same bits call to call."""
+def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_n, cluster):
+    """Stream-K forced on (ragged last waves cut into k-iterations), with and without clusters
+    (multicast loads; odd tile counts leave a CTA of a cluster past the edge): right against
+    fp32, and the same bits call to call."""
     from cutebwd.kernels.gemm_sm90 import matmul_nt
     from cutebwd.layouts.gemm import GemmTiling
 
     a, b = _operands(m, n, k, seed=m + n)
-    tiling = GemmTiling(tile_m=128, tile_n=tile_n)
+    tiling = GemmTiling(tile_m=128, tile_n=tile_n, cluster_m=cluster[0], cluster_n=cluster[1])
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     matmul_nt(a, b, out=out, tiling=tiling, stream_k=True)
     ref = _reference(a, b)

@@ -23,10 +23,13 @@ import time
 from cutebwd.kernels.runtime import ARCHES
 
 # Families shown in the table, in order. LDG.n / STG.n are global loads/stores n bits wide;
-# LDGSTS is cp.async (global to shared without registers).
+# LDGSTS is cp.async (global to shared without registers). ATOM/RED counts every global atomic
+# or reduction; ATOM/RED.FLOAT, a subset of it, those on floating-point data (their order, and
+# so the result's bits, changes run to run), e.g. ATOMG.E.ADD.F32.FTZ.RN.STRONG.GPU against an
+# integer counter's ATOMG.E.ADD.STRONG.GPU or REDG.E.ADD.S32.STRONG.GPU.
 FAMILIES = ("HGMMA", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM", "STTM", "LDG.128", "LDG.64",
             "LDG.32", "LDG.16", "LDG.8", "STG.128", "STG.64", "STG.32", "STG.16", "STG.8",
-            "LDGSTS", "LDS", "STS", "SHFL", "ATOM/RED", "LOCAL")
+            "LDGSTS", "LDS", "STS", "SHFL", "ATOM/RED", "ATOM/RED.FLOAT", "LOCAL")
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -79,6 +82,14 @@ def family_of(opcode: str) -> str | None:
     return None
 
 
+_FLOAT_TYPE = re.compile(r"B?F(16|32|64)")  # F32, F16x2, BF16_V2, F64, ...
+
+
+def is_float_atomic(opcode: str) -> bool:
+    """An atomic or reduction on floating-point data (its type is an opcode part: .F32, .BF16x2, ..)."""
+    return family_of(opcode) == "ATOM/RED" and any(_FLOAT_TYPE.match(p) for p in opcode.split(".")[1:])
+
+
 def count_instructions(sass: str):
     """(opcode counts, family counts) of an nvdisasm listing."""
     opcodes = collections.Counter(m.group(1) for m in _INSTRUCTION.finditer(sass))
@@ -87,6 +98,8 @@ def count_instructions(sass: str):
         family = family_of(opcode)
         if family:
             families[family] += n
+        if is_float_atomic(opcode):
+            families["ATOM/RED.FLOAT"] += n
     return opcodes, families
 
 

@@ -1,0 +1,125 @@
+"""The GEMM core against cuBLAS (torch.matmul) on the products of a linear layer's backward,
+in one run on the same random bf16 data: dX = dY . W and dW = dY^T . X for the decoder
+layer's widths (056) and 051's, T in {128, 512, 2048, 8192}, and 8192^3. Each of ours is
+checked against an fp32 matmul before it is timed. Times: the Python call (CUDA events around
+back-to-back calls, what users pay) and a CUDA-graph replay (the GPU alone).
+
+    python -m cutebwd.tools.bench_gemm [--tokens 128,2048] [--json bench-gemm.json]
+
+A table on screen, JSON on disk, progress on stderr while it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+
+import torch
+
+from cutebwd.tools import timing
+
+# (out_features, in_features) of the weights: 056's q/o (5120 x 5120), k/v (1280 x 5120),
+# gate/up (14336 x 5120) and down (5120 x 14336) projections, and 051's 1536 x 640.
+WIDTHS = [(5120, 5120), (1280, 5120), (14336, 5120), (5120, 14336), (1536, 640)]
+TOKENS = [128, 512, 2048, 8192]
+MAX_RELATIVE_ERROR = 1e-2  # Frobenius norm, bf16 output against the fp32 product
+
+
+def products(tokens, widths=WIDTHS):
+    """(name, T, out, in, product) for each linear layer: product in ('dX', 'dW')."""
+    return [(f"{p} T={t} {o}x{i}", t, o, i, p) for t in tokens for o, i in widths for p in ("dX", "dW")]
+
+
+def operands(t, out_features, in_features, product, generator):
+    """(ours, cublas): our matmul_nt arguments and cuBLAS's, views of the same tensors."""
+    dy = torch.randn(t, out_features, device="cuda", generator=generator).bfloat16()
+    if product == "dX":
+        w = torch.randn(out_features, in_features, device="cuda", generator=generator).bfloat16()
+        return (dy, w.t()), (dy, w)
+    x = torch.randn(t, in_features, device="cuda", generator=generator).bfloat16()
+    return (dy.t(), x.t()), (dy.t(), x)
+
+
+def bench_product(name, ours_args, cublas_args, flops, log):
+    from cutebwd.kernels.gemm_sm90 import matmul_nt
+
+    out = matmul_nt(*ours_args)
+    reference = torch.matmul(*(t.float() for t in cublas_args))
+    error = (torch.linalg.norm(out.float() - reference) / torch.linalg.norm(reference)).item()
+    del out, reference
+    ours = lambda: matmul_nt(*ours_args)
+    cublas = lambda: torch.matmul(*cublas_args)
+    row = {"name": name, "flops": flops, "relative_error": error, "ok": error < MAX_RELATIVE_ERROR}
+    for who, fn in (("ours", ours), ("cublas", cublas)):
+        row[f"{who}_us"] = timing.time_ms(fn, [()]) * 1e3
+        row[f"{who}_graph_us"] = timing.graph_time_ms(fn, [()]) * 1e3
+    row["ratio"] = row["ours_us"] / row["cublas_us"]
+    row["graph_ratio"] = row["ours_graph_us"] / row["cublas_graph_us"]
+    log(f"  {name:<26} ours {row['ours_us']:8.1f} us  cuBLAS {row['cublas_us']:8.1f} us  x{row['ratio']:.2f}"
+        f"  (graph x{row['graph_ratio']:.2f})  err {error:.1e}")
+    return row
+
+
+def summarize(rows):
+    geomean = lambda values: math.exp(sum(map(math.log, values)) / len(values))
+    layer = [r for r in rows if not r["name"].startswith("8192^3")]
+    return {"products": len(layer), "geomean_ratio": geomean([r["ratio"] for r in layer]),
+            "max_ratio": max(r["ratio"] for r in layer),
+            "geomean_graph_ratio": geomean([r["graph_ratio"] for r in layer]),
+            "max_graph_ratio": max(r["graph_ratio"] for r in layer), "ok": all(r["ok"] for r in rows)}
+
+
+def format_table(rows, summary) -> str:
+    lines = [f"{'product':<26} {'ours us':>9} {'cuBLAS us':>9} {'ratio':>6} {'graph':>8} {'graph':>8} {'ratio':>6}"
+             f" {'TFLOP/s':>8} check"]
+    for r in rows:
+        lines.append(f"{r['name']:<26} {r['ours_us']:9.1f} {r['cublas_us']:9.1f} {r['ratio']:6.2f} "
+                     f"{r['ours_graph_us']:8.1f} {r['cublas_graph_us']:8.1f} {r['graph_ratio']:6.2f} "
+                     f"{r['flops'] / r['ours_us'] / 1e6:8.0f} {'ok' if r['ok'] else 'FAIL'}")
+    lines.append(f"\n{summary['products']} layer products, ours / cuBLAS: geometric mean {summary['geomean_ratio']:.3f}"
+                 f" (max {summary['max_ratio']:.2f}) per call; {summary['geomean_graph_ratio']:.3f}"
+                 f" (max {summary['max_graph_ratio']:.2f}) in graph replay")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values")
+    parser.add_argument("--json", default="bench-gemm.json")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemm: no CUDA GPU here; nothing to time", file=sys.stderr)
+        return 2
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    generator = torch.Generator(device="cuda").manual_seed(args.seed)
+    cases = products([int(t) for t in args.tokens.split(",")])
+    rows = []
+    for i, (name, t, out_features, in_features, product) in enumerate(cases, 1):
+        log(f"[bench_gemm] {i}/{len(cases)} {name} ({time.perf_counter() - started:.0f} s)")
+        ours_args, cublas_args = operands(t, out_features, in_features, product, generator)
+        rows.append(bench_product(name, ours_args, cublas_args, 2 * t * out_features * in_features, log))
+        del ours_args, cublas_args
+    n = 8192
+    a = torch.randn(n, n, device="cuda", generator=generator).bfloat16()
+    b = torch.randn(n, n, device="cuda", generator=generator).bfloat16()
+    rows.append(bench_product("8192^3", (a, b), (a, b.t()), 2 * n**3, log))
+    summary = summarize(rows)
+    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "rows": rows, "summary": summary}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(format_table(rows, summary))
+    print(f"wrote {args.json} ({time.perf_counter() - started:.0f} s)")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
