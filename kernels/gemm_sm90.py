@@ -440,14 +440,15 @@ MIN_ITERATIONS = 4  # k-iterations a stream-K share must have to be worth its pa
 class _Call:
     """What one shape needs per call, resolved on its first call."""
 
-    def __init__(self, run, sms: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k):
+    def __init__(self, run, max_clusters: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k):
         # The schedule deals out cluster tiles to clusters (one CTA per SM, at most one cluster
-        # per tile). Measured: letting stream-K spread few tiles over more clusters (split-K
+        # per tile, no more clusters than can be resident at once: a cluster that waits for a
+        # free GPC would run its whole share after everyone else). Measured: letting stream-K spread few tiles over more clusters (split-K
         # style) made the short-M and long-K products slower, not faster (gemm-notes.md).
         size = tiling.cluster_m * tiling.cluster_n
         tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n))
         k_tiles = -(-k // tiling.tile_k)
-        clusters = max(1, min(sms // size, tiles))  # an empty C never launches
+        clusters = max(1, min(max_clusters, tiles))  # an empty C never launches
         self.run, self.ctas = run, clusters * size
         self.dp_tiles, self.per = stream_k_plan(tiles, k_tiles, clusters,
                                                 min_iterations=1 if stream_k else MIN_ITERATIONS)
@@ -455,6 +456,18 @@ class _Call:
             self.dp_tiles, self.per = tiles, 0
         elements = tiling.tile_m * tiling.tile_n
         self.workspace = _StreamKWorkspace(self.ctas if self.per else 1, elements, device)
+
+
+def _max_clusters(device, size: int) -> int:
+    """How many clusters of `size` one-CTA-per-SM CTAs the GPU holds at once: SMs / size only
+    where every GPC's SM count divides evenly, so ask the driver."""
+    import torch
+
+    if size == 1:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()  # the driver query needs this thread's context current
+        return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
 
 
 def _resolve(a, b, out, tiling, c_dtype, stream_k):
@@ -470,7 +483,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k):
     key = (chosen, a_k_major, b_k_major, c_dtype, a.device.index)
     if key not in _compiled:
         _compiled[key] = (runtime.ffi_function(build(chosen, a_k_major, b_k_major, c_dtype)),
-                          torch.cuda.get_device_properties(a.device).multi_processor_count)
+                          _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k)
     return call

@@ -65,21 +65,24 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
 
 
 def default_tiling(m: int, n: int, k: int) -> GemmTiling:
-    """The tiling for a product until the tuner's table exists: rules read off one sweep of
-    the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within a few
-    percent of that shape's best of six tilings.
+    """The tiling for a product until the tuner's table exists: rules read off two sweeps of
+    the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within ~10% of
+    that product's best of the tilings tried.
+    - M <= 128 (input gradients of a short batch, memory-bound on the weight): 128 x 64, or
+      128 x 128 from N >= 8192;
     - C of at most ~1M elements (the 1536 x 640 products): 64 x 128 tiles, many of them;
-    - M <= 128 (input gradients of a short batch): 128 x 64, or 128 x 128 from N >= 8192;
     - K <= 128 (weight gradients of a short batch): 128 x 256, the store-bound case;
-    - otherwise 128 x 256 in 2 x 1 clusters (B multicast) once there are >= 6 waves of such
-      tiles, else 128 x 128 in 2 x 1 clusters (finer tiles, less tail)."""
-    if m * n <= 1536 * 640 and m < 4096:
-        return GemmTiling(tile_m=64, tile_n=128)
+    - otherwise 2 x 1 clusters (B multicast): 128 x 256 tiles where there are many of them
+      (>= 800, or >= 300 with K >= 2048 to amortize each tile's fill and epilogue), else
+      128 x 128 (finer tiles, a shorter ragged wave)."""
     if m <= 128:
         return GemmTiling(tile_m=128, tile_n=128 if n >= 8192 else 64)
+    if m * n <= 1536 * 640 and m < 4096:
+        return GemmTiling(tile_m=64, tile_n=128)
     if k <= 128:
         return GemmTiling(tile_m=128, tile_n=256)
-    if -(-m // 128) * -(-n // 256) >= 800:
+    wide_tiles = -(-m // 128) * -(-n // 256)
+    if wide_tiles >= 800 or wide_tiles >= 300 and k >= 2048:
         return GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
     return GemmTiling(tile_m=128, tile_n=128, cluster_m=2)
 
