@@ -36,7 +36,7 @@ def test_default_tiling_is_valid_for_the_layer_products():
     (torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), ValueError),  # on the CPU
 ])
 def test_argument_errors_name_the_argument(a, b, error):
-    from cutebwd.kernels.gemm_sm90 import matmul_nt
+    from cutebwd.kernels.gemm import matmul_nt
 
     with pytest.raises(error, match="^a: "):
         matmul_nt(a, b)
@@ -53,7 +53,7 @@ def _reference(a, b):
 def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster):
     """Sizes that are not tile multiples (TMA bounds), K = 64 (one k-tile), both operand
     majors; extents stay multiples of 8 because TMA needs 16-byte strides."""
-    from cutebwd.kernels.gemm_sm90 import matmul_nt
+    from cutebwd.kernels.gemm import matmul_nt
 
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     a = torch.randn(m, k, device="cuda", generator=g).bfloat16() if a_view == "k" else \
@@ -77,7 +77,7 @@ def _operands(m, n, k, seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(200, 136, 64), (1024, 512, 3000)])
 def test_fp32_output(m, n, k):
-    from cutebwd.kernels.gemm_sm90 import matmul_nt
+    from cutebwd.kernels.gemm import matmul_nt
 
     a, b = _operands(m, n, k)
     out = torch.full((m, n), float("nan"), device="cuda")
@@ -89,7 +89,7 @@ def test_fp32_output(m, n, k):
 
 @pytest.mark.gpu
 def test_errors_on_the_gpu():
-    from cutebwd.kernels.gemm_sm90 import matmul_nt
+    from cutebwd.kernels.gemm import matmul_nt
 
     a, b = _operands(64, 64, 64)
     with pytest.raises(ValueError, match="K extents"):
@@ -105,7 +105,7 @@ def test_errors_on_the_gpu():
 
 @pytest.mark.gpu
 def test_empty_and_zero_k():
-    from cutebwd.kernels.gemm_sm90 import matmul_nt
+    from cutebwd.kernels.gemm import matmul_nt
 
     a, b = _operands(64, 32, 0)
     assert (matmul_nt(a, b) == 0).all()
@@ -143,7 +143,7 @@ def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_n, cluster):
     """Stream-K forced on (ragged last waves cut into k-iterations), with and without clusters
     (multicast loads; odd tile counts leave a CTA of a cluster past the edge): right against
     fp32, and the same bits call to call."""
-    from cutebwd.kernels.gemm_sm90 import matmul_nt
+    from cutebwd.kernels.gemm import matmul_nt
     from cutebwd.layouts.gemm import GemmTiling
 
     a, b = _operands(m, n, k, seed=m + n)
@@ -159,7 +159,7 @@ def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_n, cluster):
 
 @pytest.mark.gpu
 def test_stream_k_under_graph_replay_and_side_streams():
-    from cutebwd.kernels.gemm_sm90 import matmul_nt
+    from cutebwd.kernels.gemm import matmul_nt
 
     a, b = _operands(512, 5120, 1024, seed=3)
     want = matmul_nt(a, b, stream_k=True)

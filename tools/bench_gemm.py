@@ -44,7 +44,7 @@ def operands(t, out_features, in_features, product, generator):
 
 
 def bench_product(name, ours_args, cublas_args, flops, log):
-    from cutebwd.kernels.gemm_sm90 import matmul_nt
+    from cutebwd.kernels.gemm import matmul_nt
 
     out = matmul_nt(*ours_args)
     reference = torch.matmul(*(t.float() for t in cublas_args))

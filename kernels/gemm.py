@@ -1,0 +1,338 @@
+"""The matrix-product core shared by the sm_90a and sm_100a kernels: C[M, N] = A[M, K] . B[N, K]^T,
+bf16 operands, fp32 accumulation, bf16 or fp32 C.
+
+Per architecture only the main loop and the accumulator's home differ (gemm_sm90: warpgroup
+MMAs into registers; gemm_sm100: tcgen05 MMAs into tensor memory). Shared here, one
+implementation for both:
+- the host wrapper `matmul_nt`: argument checks, the tiling (layouts.gemm), the per-shape
+  call cache, the stream-K plan and its per-stream workspace, dispatch on the GPU's arch;
+- the device-side schedule (`work`, `unit`, `owner`, `cta_tile`): cluster tiles in grouped
+  order, whole waves data-parallel, the ragged tail hybrid stream-K (layouts.gemm);
+- the epilogue pieces: `store_piece` (registers -> C type -> shared memory -> TMA store) and
+  the stream-K partial-tile hand-over (`store_partial`, `publish_partial`, `await_partial`,
+  `add_partial`).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from ..layouts.gemm import GemmTiling, default_tiling, stream_k_count, stream_k_plan, stream_k_range, \
+    stream_k_segment, tile_coord
+from . import runtime
+
+C_DTYPES = {"bfloat16": BFloat16, "float32": Float32}
+VECTOR = 4  # fp32 accumulators per 16-byte access of a partial tile
+
+
+def with_unit_batch(t):
+    """[X, Y] -> [X, Y, 1]: TMA partitioning works on (x, y, batch)."""
+    return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
+
+
+def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str):
+    """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per): M, N, K, the
+    strides and the stream-K split are runtime values, so every shape that picks a tiling
+    shares its build."""
+    c_type = C_DTYPES[c_dtype]
+    m, n, k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+
+    def operand(rows, k_major):  # TMA: 16-byte aligned base, 16-byte multiple strides
+        stride = (cute.sym_int64(divisibility=8), 1) if k_major else (1, cute.sym_int64(divisibility=8))
+        return runtime.fake_tensor(BFloat16, (rows, k), stride, 16)
+
+    c = runtime.fake_tensor(c_type, (m, n), (cute.sym_int64(divisibility=128 // c_type.width), 1), 16)
+    slots, tile_elements = cute.sym_int32(), tiling.tile_m * tiling.tile_n
+    partials = runtime.fake_tensor(Float32, (slots, tile_elements), (tile_elements, 1), 16)
+    flags = runtime.fake_tensor(Int32, (slots,), (1,), 4)
+    return (operand(m, a_k_major), operand(n, b_k_major), c, partials, flags, Int32(132), Int32(0), Int32(0),
+            runtime.env_stream())
+
+
+# -- device-side schedule ----------------------------------------------------------------
+
+def work(schedule, tiles, k_tiles, cluster_size):
+    """This cluster's units of work (layouts.gemm's hybrid stream-K schedule on device
+    integers, over cluster tiles): whole tiles cta, cta + ctas, ... below dp_tiles (cta being
+    the cluster's index, ctas the cluster count), then its stream-K range, last tile first.
+    -> (unit count, the tuple `unit` and `owner` read)."""
+    dp_tiles, per = schedule
+    cta, _, _ = cute.arch.block_idx()
+    ctas, _, _ = cute.arch.grid_dim()
+    cta, ctas = cta // cluster_size, ctas // cluster_size
+    # whole tiles: ceil((dp_tiles - cta) / ctas), a non-negative numerator as cta < ctas
+    dp_units = (dp_tiles - cta + ctas - 1) // ctas
+    start, end = stream_k_range(cta, per, (tiles - dp_tiles) * k_tiles, cutlass.min)
+    return dp_units + stream_k_count(start, end, k_tiles), (cta, ctas, dp_tiles, dp_units, start, end, k_tiles, per)
+
+
+def unit(u, schedule):
+    """(tile, first k-tile, end k-tile) of unit u."""
+    cta, ctas, dp_tiles, dp_units, start, end, k_tiles, _ = schedule
+    sk_tile, sk_begin, sk_end = stream_k_segment(cutlass.max(u - dp_units, 0), start, end, k_tiles,
+                                                 cutlass.min, cutlass.max)
+    whole = u < dp_units
+    return (cutlass.select_(whole, cta + u * ctas, dp_tiles + sk_tile), cutlass.select_(whole, 0, sk_begin),
+            cutlass.select_(whole, k_tiles, sk_end))
+
+
+def owner(tile, schedule):
+    """The cluster whose stream-K range holds the first k-iteration of `tile` (a stream-K tile)."""
+    _, _, dp_tiles, _, _, _, k_tiles, per = schedule
+    return (tile - dp_tiles) * k_tiles // per
+
+
+def cta_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, cluster_coord):
+    """(m, n) tile of this CTA for cluster tile `tile` of the grouped order."""
+    m, n = tile_coord(tile, tiles_m, tiles_n, tiling.group_m, cutlass.min)
+    return m * tiling.cluster_m + cluster_coord[0], n * tiling.cluster_n + cluster_coord[1]
+
+
+def tma_load_op(peers: int):
+    """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
+    if peers == 1:
+        return cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+    return cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+
+
+# -- epilogue pieces ---------------------------------------------------------------------
+
+@cute.jit
+def store_piece(values, c_dtype, r2s, r2s_dst, buffer, tma_c, s_piece, g_piece, sync, stores, is_store_warp):
+    """One epilogue piece: fp32 `values` (this thread's share, in r2s's source layout) -> C type
+    -> shared memory `buffer` -> TMA store of the piece by one warp."""
+    piece_c = cute.make_rmem_tensor(values.shape, c_dtype)
+    piece_c.store(values.load().to(c_dtype))
+    cute.copy(r2s, piece_c, r2s_dst[(None, None, None, buffer)])
+    # make the generic-proxy shared-memory writes visible to the TMA (async proxy)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    sync.arrive_and_wait()
+    if is_store_warp:
+        cute.copy(tma_c, s_piece, g_piece)
+        stores.producer_commit()
+        stores.producer_acquire()  # this buffer is free again once `epilogue_stages` pieces on
+    sync.arrive_and_wait()
+
+
+# A partial tile in global memory, as the epilogue threads hold it: vector j of a thread's
+# accumulators at j * (threads x VECTOR) + thread x VECTOR, so each warp's accesses are
+# contiguous. Both sides of a hand-over use the same thread mapping (the same kernel).
+
+def _partial_vector(slot, j, thread, threads):
+    """Vector j of `thread`'s accumulators within one partial-tile slot (a layout, so the
+    16-byte alignment of every vector is known to the compiler)."""
+    vectors = cute.make_tensor(slot.iterator, cute.make_layout((VECTOR, threads, cute.size(slot) // (threads * VECTOR)),
+                                                                stride=(1, VECTOR, threads * VECTOR)))
+    return vectors[None, thread, j]
+
+
+def _vector_copy():
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+
+
+@cute.jit
+def store_partial(values, slot, first, thread, threads):
+    """Store fp32 `values` (a multiple of VECTOR, this thread's) as vectors first, first + 1, ..."""
+    flat = cute.make_tensor(values.iterator, cute.make_layout((VECTOR, cute.size(values) // VECTOR)))
+    staging = cute.make_rmem_tensor((VECTOR,), Float32)
+    for j in cutlass.range_constexpr(cute.size(values) // VECTOR):
+        staging.store(flat[None, j].load())
+        cute.copy(_vector_copy(), staging, _partial_vector(slot, first + j, thread, threads))
+
+
+@cute.jit
+def add_partial(values, slot, first, thread, threads):
+    """values += the vectors first, first + 1, ... of a partial tile (the `store_partial` layout)."""
+    flat = cute.make_tensor(values.iterator, cute.make_layout((VECTOR, cute.size(values) // VECTOR)))
+    staging = cute.make_rmem_tensor((VECTOR,), Float32)
+    for j in cutlass.range_constexpr(cute.size(values) // VECTOR):
+        cute.copy(_vector_copy(), _partial_vector(slot, first + j, thread, threads), staging)
+        flat[None, j].store(flat[None, j].load() + staging.load())
+
+
+@cute.jit
+def publish_partial(flags, slot, thread, sync):
+    """After every epilogue thread stored its share of partial tile `slot`: mark it ready."""
+    sync.arrive_and_wait()
+    if thread == 0:  # release: the stores above, ordered by the barrier, come first
+        cute.arch.atomic_add(flags.iterator + slot, Int32(1), sem="release", scope="gpu")
+
+
+@cute.jit
+def await_partial(flags, slot, thread, sync):
+    """Wait until partial tile `slot` is ready, and re-arm its flag for the next call."""
+    if thread == 0:
+        while cute.arch.load(flags.iterator + slot, Int32, sem="acquire", scope="gpu") == 0:
+            pass
+        flags[slot] = 0
+    sync.arrive_and_wait()
+
+
+# -- host wrapper --------------------------------------------------------------------------
+
+_ARCH_MODULES = {"sm_90a": ".gemm_sm90", "sm_100a": ".gemm_sm100"}  # the per-arch main loops
+
+
+class _StreamKWorkspace:
+    """Per CUDA stream: fp32 partial tiles [ctas, tile elements] and int32 ready flags [ctas].
+    The flags start at zero and each finisher sets the ones it consumed back to zero, so a
+    buffer serves call after call on its stream. Under CUDA-graph capture a fresh pair comes
+    from the graph's pool (the flags' zero fill is captured too)."""
+
+    def __init__(self, ctas: int, tile_elements: int, device):
+        self.ctas, self.tile_elements, self.device = ctas, tile_elements, device
+        self._buffers = {}
+
+    def _new(self):
+        import torch
+
+        return (torch.empty((self.ctas, self.tile_elements), dtype=torch.float32, device=self.device),
+                torch.zeros(self.ctas, dtype=torch.int32, device=self.device))
+
+    def get(self):
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return self._new()
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        pair = self._buffers.get(stream)
+        if pair is None:
+            pair = self._buffers[stream] = self._new()
+        return pair
+
+
+def _k_major(t, name):
+    """True if the [rows, K] view `t` is K-major (K contiguous), False if rows are contiguous."""
+    if t.stride(1) == 1:
+        return True
+    if t.stride(0) == 1:
+        return False
+    raise ValueError(f"{name}: one of the two dimensions must be contiguous, got strides {t.stride()}")
+
+
+def _check(a, b, out):
+    """The full argument check, with messages that name the argument: run on a shape's first
+    call and to explain a call the compiled function's own (C) checks reject."""
+    import torch
+
+    from .checks import check_same_device, check_tensor
+
+    check_tensor("a", a, dtypes=torch.bfloat16, ndim=2, contiguous=False)
+    check_tensor("b", b, dtypes=torch.bfloat16, ndim=2, contiguous=False)
+    (m, k), (n, k_b) = a.shape, b.shape
+    if k != k_b:
+        raise ValueError(f"a is [{m}, {k}] and b is [{n}, {k_b}]: the K extents differ")
+    for name, t in (("a", a), ("b", b)):
+        if t.numel() and _k_major(t, name) and t.stride(0) % 8 or not _k_major(t, name) and t.stride(1) % 8:
+            raise ValueError(f"{name}: the non-contiguous stride must be a multiple of 8 elements (16 bytes) "
+                             f"for TMA, got strides {t.stride()}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.bfloat16, torch.float32), shape=(m, n), contiguous=False)
+        if out.numel() and (out.stride(1) != 1 or out.stride(0) % (16 // out.element_size())):
+            raise ValueError(f"out: expected row-major with a 16-byte multiple row stride, got strides {out.stride()}")
+    check_same_device(a=a, b=b, out=out)
+
+
+_compiled: dict = {}  # (tiling, a K-major?, b K-major?, C dtype, device) -> (TVM-FFI function, SM count)
+_calls: dict = {}  # (M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked) -> _Call
+
+
+MIN_ITERATIONS = 4  # k-iterations a stream-K share must have to be worth its partial-tile traffic
+
+
+class _Call:
+    """What one shape needs per call, resolved on its first call."""
+
+    def __init__(self, run, max_clusters: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k):
+        # The schedule deals out cluster tiles to clusters (one CTA per SM, at most one cluster
+        # per tile, no more clusters than can be resident at once: a cluster that waits for a
+        # free GPC would run its whole share after everyone else). Measured: letting stream-K spread few tiles over more clusters (split-K
+        # style) made the short-M and long-K products slower, not faster (gemm-notes.md).
+        size = tiling.cluster_m * tiling.cluster_n
+        tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n))
+        k_tiles = -(-k // tiling.tile_k)
+        clusters = max(1, min(max_clusters, tiles))  # an empty C never launches
+        self.run, self.ctas = run, clusters * size
+        self.dp_tiles, self.per = stream_k_plan(tiles, k_tiles, clusters,
+                                                min_iterations=1 if stream_k else MIN_ITERATIONS)
+        if stream_k is False:
+            self.dp_tiles, self.per = tiles, 0
+        elements = tiling.tile_m * tiling.tile_n
+        self.workspace = _StreamKWorkspace(self.ctas if self.per else 1, elements, device)
+
+
+def _max_clusters(device, size: int) -> int:
+    """How many clusters of `size` one-CTA-per-SM CTAs the GPU holds at once: SMs / size only
+    where every GPC's SM count divides evenly, so ask the driver."""
+    import torch
+
+    if size == 1:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()  # the driver query needs this thread's context current
+        return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
+
+
+def _resolve(a, b, out, tiling, c_dtype, stream_k):
+    """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
+    import torch
+
+    _check(a, b, out)
+    (m, k), n = a.shape, b.shape[0]
+    arch = runtime.device_arch(a.device.index)
+    if arch not in _ARCH_MODULES:
+        raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
+    a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
+    chosen = tiling or default_tiling(m, n, k)
+    key = (chosen, a_k_major, b_k_major, c_dtype, a.device.index)
+    if key not in _compiled:
+        import importlib
+
+        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
+        _compiled[key] = (runtime.ffi_function(module.build(chosen, a_k_major, b_k_major, c_dtype, arch)),
+                          _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
+    call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k] = _Call(
+        *_compiled[key], chosen, m, n, k, a.device, stream_k)
+    return call
+
+
+def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None, stream_k: bool | None = None):
+    """C[M, N] = A[M, K] . B[N, K]^T from bf16 operands with fp32 accumulation.
+
+    a, b: bf16 CUDA tensors, read in place: either dimension may be the contiguous one, the
+    other's stride a multiple of 8 elements, bases 16-byte aligned. out: bf16 or fp32 [M, N]
+    with unit column stride (or out_dtype, bf16 by default, for a new one). The dX product of a
+    linear layer is matmul_nt(dY, W.t()), the dW product matmul_nt(dY.t(), X.t()). M, N, K
+    need not be tile multiples (TMA bounds the loads and stores). tiling: the tile shape
+    (layouts.gemm.default_tiling by default). stream_k: None lets layouts.gemm.stream_k_plan
+    decide whether the ragged last wave is cut into k-iterations, True forces it wherever
+    the tiles do not fill whole waves, False never. The result is bitwise repeatable either way.
+
+    Host cost after a shape's first call: one dict lookup and one TVM-FFI call (plus the
+    allocation without out=); the C entry point checks dtypes, shapes, strides and alignment.
+    """
+    import torch
+
+    c_dtype = "float32" if (out is not None and out.dtype == torch.float32) or out_dtype == torch.float32 \
+        else "bfloat16"
+    try:
+        (m, k), n = a.shape, b.shape[0]
+        call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k]
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError):
+        call = _resolve(a, b, out, tiling, c_dtype, stream_k)
+        (m, k), n = a.shape, b.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float32 if c_dtype == "float32" else torch.bfloat16, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    try:
+        call.run(a, b, out, *call.workspace.get(), call.ctas, call.dp_tiles, call.per)
+    except Exception:
+        _check(a, b, out)  # say which argument and why, in our words
+        raise
+    return out
+
+
