@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
+SM100_SMEM_BYTES = 232448 - 1024  # B200: the same 227 KB per CTA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,25 @@ class GemmTiling:
             raise ValueError(f"group_m must be at least 1, got {self.group_m}")
         if self.mainloop_stages(SM90_SMEM_BYTES) < 2:
             raise ValueError(f"tile {self.tile_m}x{self.tile_n}x{self.tile_k} leaves no room for two stages")
+
+    def check_sm100(self) -> None:
+        """Raise ValueError unless the Blackwell (tcgen05) kernel can use this tiling."""
+        if self.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128 on sm_100a (a 2-CTA pair makes 256), got {self.tile_m}")
+        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 32 in [32, 256] on sm_100a, got {self.tile_n}")
+        if self.tile_k != 64:
+            raise ValueError(f"tile_k must be 64 (one 128-byte swizzle row of bf16), got {self.tile_k}")
+        if self.cluster_m * self.cluster_n > 8 or any(c not in (1, 2, 4, 8) for c in (self.cluster_m, self.cluster_n)):
+            raise ValueError(f"cluster must be powers of two with at most 8 CTAs, got {self.cluster_m}x{self.cluster_n}")
+        if self.group_m < 1:
+            raise ValueError(f"group_m must be at least 1, got {self.group_m}")
+
+    @property
+    def two_cta_mma(self) -> bool:
+        """Blackwell: CTA pairs along M run 2-CTA MMAs (one 256-row MMA tile, cta_group::2)
+        when the cluster has pairs along M and each CTA's tile is 128 rows."""
+        return self.cluster_m % 2 == 0 and self.tile_m == 128
 
     @property
     def mma_warpgroups(self) -> int:

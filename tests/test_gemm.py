@@ -178,3 +178,62 @@ def test_stream_k_under_graph_replay_and_side_streams():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+def test_sm100_tiling_checks():
+    for tiling in (GemmTiling(), GemmTiling(tile_n=256, cluster_m=2), GemmTiling(tile_m=64, tile_n=128)):
+        tiling.check_sm100()
+    for bad in (GemmTiling(tile_m=256), GemmTiling(tile_n=48), GemmTiling(tile_k=32), GemmTiling(cluster_m=16)):
+        with pytest.raises(ValueError):
+            bad.check_sm100()
+    assert GemmTiling(cluster_m=2).two_cta_mma and not GemmTiling(tile_m=64, cluster_m=2).two_cta_mma
+    assert not GemmTiling().two_cta_mma
+
+
+def _bar_tilings():
+    """Every (tiling, A K-major?, B K-major?) the default rules pick for the issue-5 products."""
+    from cutebwd.tools.bench_gemm import TOKENS, WIDTHS
+
+    picked = set()
+    for t in TOKENS:
+        for out_features, in_features in WIDTHS:
+            picked.add((default_tiling(t, in_features, out_features), True, False))  # dX = dY . W
+            picked.add((default_tiling(out_features, in_features, t), False, False))  # dW = dY^T . X
+    return sorted(picked, key=str)
+
+
+@pytest.mark.parametrize("tiling,a_k_major,b_k_major", _bar_tilings(), ids=str)
+def test_blackwell_twin_compiles_every_tiling_the_rules_pick(tiling, a_k_major, b_k_major):
+    """No Blackwell GPU here: what the sm_100a dispatch would run must at least compile (and
+    the audit checks its machine code). The shared host wrapper picks the same tilings."""
+    from cutebwd.kernels import gemm_sm100
+
+    assert gemm_sm100.build(tiling, a_k_major, b_k_major, "bfloat16", "sm_100a") is not None
+
+
+def test_one_host_wrapper_for_both_arches():
+    """The sm_90a and sm_100a kernels take the same arguments from the same host code: the
+    per-arch modules only build kernels (gemm._ARCH_MODULES), they hold no host wrapper."""
+    import inspect
+
+    from cutebwd.kernels import gemm, gemm_sm90, gemm_sm100
+
+    assert set(gemm._ARCH_MODULES) == {"sm_90a", "sm_100a"}
+    assert inspect.signature(gemm_sm90.build).parameters.keys() == inspect.signature(gemm_sm100.build).parameters.keys()
+    for module in (gemm_sm90, gemm_sm100):
+        assert not hasattr(module, "matmul_nt") and not hasattr(module, "_Call")
+
+
+def test_blackwell_pairs_run_two_cta_mmas():
+    """A 2 x 1 cluster of 128-row tiles is one 256-row MMA tile: 2-CTA tcgen05 MMAs and TMA
+    loads in the machine code; a lone CTA's build has neither."""
+    from cutebwd.kernels import gemm_sm100
+    from cutebwd.tools import audit
+
+    nvdisasm = audit.find_nvdisasm()
+    pair = audit.audit_build(lambda arch, dump_dir: gemm_sm100.build(
+        GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", arch, dump_dir), "sm_100a", nvdisasm)
+    alone = audit.audit_build(lambda arch, dump_dir: gemm_sm100.build(
+        GemmTiling(), True, False, "bfloat16", arch, dump_dir), "sm_100a", nvdisasm)
+    assert pair["opcodes"].get("UTCHMMA.2CTA") and pair["opcodes"].get("UTMALDG.2D.2CTA")
+    assert not any("2CTA" in op for op in alone["opcodes"])

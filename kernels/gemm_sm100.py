@@ -1,0 +1,324 @@
+"""Blackwell twin of the GEMM core (sm_100a; NEVER EXECUTED: no Blackwell GPU here, so the
+evidence is compile + machine-code audit + resource limits only). C[M, N] = A[M, K] . B[N, K]^T.
+
+Same products, tiling description (layouts.gemm), schedule, epilogue pieces and host wrapper
+as the Hopper kernel (all in kernels/gemm.py); what differs is the main loop and where the
+accumulator lives:
+- warp 5 (TMA): loads A and B k-tiles into a shared-memory ring (PipelineTmaUmma), multicast
+  to the cluster peers that share a tile;
+- warp 4 (MMA): one thread issues tcgen05 MMAs into tensor memory. Two accumulator buffers
+  (PipelineUmmaAsync), so the epilogue of one unit overlaps the main loop of the next. With a
+  2 x 1 cluster and 128-row CTA tiles the pair runs 2-CTA MMAs (cta_group::2): one 256-row
+  MMA tile, each CTA holding its 128 rows of A and the accumulator, half of B each;
+- warps 0-3 (epilogue): tensor memory -> registers (tcgen05.ld) -> gemm.store_piece (C type,
+  shared memory, TMA store), one epilogue subtile at a time; stream-K units hand their partial
+  tile on or add the earlier ones first (gemm.store_partial / add_partial), as on Hopper.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.memory
+import cutlass.utils.blackwell_helpers as sm100
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.tensor_utils import LayoutEnum
+
+from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling, tile_coord
+from . import runtime
+from .gemm import (C_DTYPES, add_partial, await_partial, fake_arguments, owner, publish_partial, store_partial,
+                   store_piece, unit, with_unit_batch, work)
+
+EPILOGUE_WARPS = (0, 1, 2, 3)
+MMA_WARP, TMA_WARP = 4, 5
+EPILOGUE_THREADS = 32 * len(EPILOGUE_WARPS)
+ACCUMULATORS = 2  # tensor-memory accumulator buffers: the epilogue of one unit under the next's MMAs
+# Named barriers (0 is the CTA-wide one): the epilogue warps among themselves, and the
+# epilogue + MMA warps around the tensor-memory allocation.
+EPILOGUE_SYNC, TMEM_ALLOC_SYNC = 1, 2
+
+
+class Sm100Gemm:
+    def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16):
+        tiling.check_sm100()
+        self.tiling = tiling
+        self.a_major = (LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
+        self.b_major = (LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
+        self.c_layout = LayoutEnum.ROW_MAJOR
+        self.c_dtype = c_dtype
+        self.cluster = (tiling.cluster_m, tiling.cluster_n)
+        self.cluster_size = tiling.cluster_m * tiling.cluster_n
+        self.two_cta = tiling.two_cta_mma
+        self.cta_group = tcgen05.CtaGroup.TWO if self.two_cta else tcgen05.CtaGroup.ONE
+        # The MMA tile spans the CTA pair with 2-CTA MMAs; each CTA's share is the tiling's tile.
+        self.mma_tiler = (tiling.tile_m * (2 if self.two_cta else 1), tiling.tile_n, tiling.tile_k)
+        self.cta_tile = (tiling.tile_m, tiling.tile_n, tiling.tile_k)
+        self.threads = 32 * (len(EPILOGUE_WARPS) + 2)
+
+    def _tiled_mma(self):
+        return sm100.make_trivial_tiled_mma(BFloat16, BFloat16, self.a_major, self.b_major, Float32, self.cta_group,
+                                            self.mma_tiler[:2])
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor,
+                 ctas: Int32, dp_tiles: Int32, sk_per: Int32, stream: cuda.CUstream):
+        """The same arguments as the Hopper kernel (gemm.fake_arguments)."""
+        t = self.tiling
+        a, b, c = with_unit_batch(a), with_unit_batch(b), with_unit_batch(c)
+        tiled_mma = self._tiled_mma()
+        # (V, M, N, 1) view of the cluster: V = the CTA pair of a 2-CTA MMA
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster, 1)), (tiled_mma.thr_id.shape,))
+        epi_tile = sm100.compute_epilogue_tile_shape(self.cta_tile, self.two_cta, self.c_layout, self.c_dtype)
+        c_smem = sm100.make_smem_layout_epi(self.c_dtype, self.c_layout, epi_tile, t.epilogue_stages)
+        one_stage = (cute.size_in_bytes(BFloat16, sm100.make_smem_layout_a(tiled_mma, self.mma_tiler, BFloat16, 1))
+                     + cute.size_in_bytes(BFloat16, sm100.make_smem_layout_b(tiled_mma, self.mma_tiler, BFloat16, 1)))
+        stages = (SM100_SMEM_BYTES - cute.size_in_bytes(self.c_dtype, c_smem)) // one_stage
+        a_smem = sm100.make_smem_layout_a(tiled_mma, self.mma_tiler, BFloat16, stages)
+        b_smem = sm100.make_smem_layout_b(tiled_mma, self.mma_tiler, BFloat16, stages)
+
+        tma_a, ta = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), a,
+            cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+        tma_b, tb = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100.cluster_shape_to_tma_atom_B(self.cluster, tiled_mma.thr_id), b,
+            cute.slice_(b_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+        tma_c, tc = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
+                                                cute.select(c_smem, mode=[0, 1]), epi_tile)
+        # bytes landing in one stage of the ring per MMA tile (both CTAs of a pair)
+        tx_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, None, 0)))
+                    + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, None, 0)))) \
+            * cute.size(tiled_mma.thr_id.shape)
+        accumulators = tiled_mma.make_fragment_C(
+            cute.append(tiled_mma.partition_shape_C(self.mma_tiler[:2]), ACCUMULATORS))
+        tmem_columns = cutlass.memory.get_num_tmem_alloc_cols(accumulators)
+
+        @cute.struct
+        class Storage:
+            ring: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            accumulator_barriers: cute.struct.MemRange[cutlass.Int64, ACCUMULATORS * 2]
+            tmem_dealloc: cutlass.Int64
+            tmem_address: cutlass.Int32
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
+
+        self.storage, self.stages, self.tx_bytes, self.tmem_columns = Storage, stages, tx_bytes, tmem_columns
+        self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
+                    accumulators.layout, partials, flags, (dp_tiles, sk_per)).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
+            min_blocks_per_mp=1, stream=stream)  # one CTA per SM: registers need not be rationed
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom,
+               m_b: cute.Tensor, tma_c: cute.CopyAtom, m_c: cute.Tensor, cluster_vmnk: cute.Layout,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout,
+               epi_tile: cute.Tile, accumulator_layout: cute.Layout, partials: cute.Tensor, flags: cute.Tensor,
+               schedule):
+        t = self.tiling
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp == TMA_WARP:
+            for atom in (tma_a, tma_b, tma_c):
+                cpasync.prefetch_descriptor(atom)
+        bidx, _, _ = cute.arch.block_idx()
+        pair_rank = bidx % cute.size(tiled_mma.thr_id.shape)  # V: this CTA's half of a 2-CTA MMA
+        is_leader = pair_rank == 0
+        coord_vmnk = cluster_vmnk.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        # The ring: TMA warps of the CTAs sharing a tile fill it, the (leader's) MMA warp drains it.
+        a_peers, b_peers = cute.size(cluster_vmnk.shape[2]), cute.size(cluster_vmnk.shape[1])
+        ring = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ring.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, a_peers + b_peers - 1),
+            tx_count=self.tx_bytes, cta_layout_vmnk=cluster_vmnk, defer_sync=True)
+        # Accumulator buffers: the MMA warp fills one, the epilogue warps (of both CTAs of a
+        # pair) drain it.
+        accumulator_ready = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.accumulator_barriers.data_ptr(), num_stages=ACCUMULATORS,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     len(EPILOGUE_WARPS) * cute.size(tiled_mma.thr_id.shape)),
+            cta_layout_vmnk=cluster_vmnk, defer_sync=True)
+        tmem = cutlass.memory.TmemAllocator(storage.tmem_address.ptr, barrier_for_retrieve=pipeline.NamedBarrier(
+            barrier_id=TMEM_ALLOC_SYNC, num_threads=32 * (len(EPILOGUE_WARPS) + 1)),
+            allocator_warp_id=EPILOGUE_WARPS[0], is_two_cta=self.two_cta,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_vmnk, is_relaxed=True)
+
+        s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        s_b = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        s_c = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+        # (tile, tile, rest_x, rest_k, batch) views, tiled by the MMA tile
+        g_a = cute.local_tile(m_a, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        g_b = cute.local_tile(m_b, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        g_c = cute.local_tile(m_c, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
+        k_tiles = cute.size(g_a, mode=[3])
+        thr_mma = tiled_mma.get_slice(pair_rank)
+        t_sa, t_ga = cpasync.tma_partition(
+            tma_a, coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
+            cute.group_modes(s_a, 0, 3), cute.group_modes(thr_mma.partition_A(g_a), 0, 3))
+        t_sb, t_gb = cpasync.tma_partition(
+            tma_b, coord_vmnk[1], cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape),
+            cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b), 0, 3))
+        frag_a, frag_b = tiled_mma.make_fragment_A(s_a), tiled_mma.make_fragment_B(s_b)
+        c_of_cta = thr_mma.partition_C(g_c)  # this CTA's rows of every MMA tile of C
+        # Cluster tiles of the schedule, in MMA tiles: cluster_m / V MMA tiles tall.
+        mma_per_cluster_m = t.cluster_m // cute.size(tiled_mma.thr_id.shape)
+        tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), mma_per_cluster_m)
+        tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
+
+        if warp == TMA_WARP:
+            a_mask, b_mask = None, None  # a lone CTA loads for itself
+            if cutlass.const_expr(a_peers > 1 or b_peers > 1 or self.two_cta):
+                a_mask = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
+                b_mask = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=1)
+            units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            for u in cutlass.range(units):
+                tile, k_begin, k_end = unit(u, plan)
+                m, n = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk)
+                for k in cutlass.range(k_begin, k_end):
+                    ring.producer_acquire(state)
+                    barrier = ring.producer_get_barrier(state)
+                    cute.copy(tma_a, t_ga[(None, m, k, 0)], t_sa[(None, state.index)], tma_bar_ptr=barrier,
+                              mcast_mask=a_mask)
+                    cute.copy(tma_b, t_gb[(None, n, k, 0)], t_sb[(None, state.index)], tma_bar_ptr=barrier,
+                              mcast_mask=b_mask)
+                    ring.producer_commit(state)
+                    state.advance()
+            ring.producer_tail(state)
+
+        if warp == MMA_WARP:
+            tmem.wait_for_alloc()
+            accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
+            units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            filled = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ACCUMULATORS)
+            k_blocks = cute.size(frag_a, mode=[2])
+            for u in cutlass.range(units):
+                tile, k_begin, k_end = unit(u, plan)
+                accumulator = accumulators[(None, None, None, filled.index)]
+                if is_leader:  # a 2-CTA MMA is issued by the pair's leader for both
+                    accumulator_ready.producer_acquire(filled)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, False)  # each unit starts from zero
+                    for k in cutlass.range(k_end - k_begin):
+                        ring.consumer_wait(read)
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            cute.gemm(tiled_mma, accumulator, frag_a[(None, None, kb, read.index)],
+                                      frag_b[(None, None, kb, read.index)], accumulator)
+                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                        ring.consumer_release(read)  # frees the stage once these MMAs complete
+                        read.advance()
+                    accumulator_ready.producer_commit(filled)
+                filled.advance()
+            accumulator_ready.producer_tail(filled)
+
+        if warp < MMA_WARP:
+            tmem.allocate(self.tmem_columns)
+            tmem.wait_for_alloc()
+            accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
+            self._epilogue(tidx, tiled_mma, accumulators, accumulator_ready, s_c, c_of_cta, epi_tile, tma_c,
+                           schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp)
+            tmem.relinquish_alloc_permit()
+            tmem.free(accumulators.iterator)
+
+    @cute.jit
+    def _epilogue(self, tidx, tiled_mma, accumulators, accumulator_ready, s_c, c_of_cta, epi_tile, tma_c, schedule,
+                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp):
+        """Epilogue warps: per unit, the accumulator buffer -> registers, one subtile at a time,
+        then either to this CTA's partial-tile slot (stream-K, not the tile's last k-iterations)
+        or, after adding the earlier partials in cluster order, through gemm.store_piece."""
+        # tensor memory -> registers, per epilogue subtile
+        t2r = tcgen05.make_tmem_copy(
+            sm100.get_tmem_load_op(self.cta_tile, self.c_layout, self.c_dtype, Float32, epi_tile, self.two_cta),
+            cute.flat_divide(accumulators[((None, None), 0, 0, None)], epi_tile)[(None, None, 0, 0, 0)])
+        thr_t2r = t2r.get_slice(tidx)
+        acc_subtiles = thr_t2r.partition_S(cute.flat_divide(accumulators[((None, None), 0, 0, None)], epi_tile))
+        c_subtiles = cute.flat_divide(c_of_cta[((None, None), 0, 0, None, None, None)], epi_tile)
+        values = cute.make_rmem_tensor(thr_t2r.partition_D(c_subtiles)[(None, None, None, 0, 0, 0, 0, 0)].shape,
+                                       Float32)
+        # registers -> shared memory, then TMA store of the subtile
+        r2s = cute.make_tiled_copy_D(sm100.get_smem_store_op(self.c_layout, self.c_dtype, Float32, t2r), t2r)
+        r2s_dst = r2s.get_slice(tidx).partition_D(s_c)
+        s_part, g_parts = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
+                                                cute.group_modes(c_subtiles, 0, 2))
+        sync = pipeline.NamedBarrier(barrier_id=EPILOGUE_SYNC, num_threads=EPILOGUE_THREADS)
+        stores = pipeline.PipelineTmaStore.create(
+            num_stages=self.tiling.epilogue_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, EPILOGUE_THREADS))
+        vectors_per_subtile = cute.size(values) // 4
+        rank = slot % self.cluster_size
+
+        units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+        drained = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACCUMULATORS)
+        done = Int32(0)  # subtiles stored by this CTA: picks the shared-memory buffer
+        for u in cutlass.range(units):
+            tile, k_begin, k_end = unit(u, plan)
+            m, n = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk)
+            acc = cute.group_modes(acc_subtiles[(None, None, None, None, None, drained.index)], 3, 5)
+            g_piece = cute.group_modes(g_parts[(None, None, None, m, n, 0)], 1, 3)
+            subtiles = cute.size(acc, mode=[3])
+            accumulator_ready.consumer_wait(drained)
+            if k_end < k_tiles:
+                # Not this tile's last k-iterations: hand the partial tile to its finisher.
+                for s in cutlass.range(subtiles):
+                    cute.copy(t2r, acc[(None, None, None, s)], values)
+                    store_partial(values, partials[slot, None], s * vectors_per_subtile, tidx, EPILOGUE_THREADS)
+                publish_partial(flags, slot, tidx, sync)
+            else:
+                for earlier in cutlass.range(owner(tile, plan), plan[0]):
+                    await_partial(flags, earlier * self.cluster_size + rank, tidx, sync)
+                for s in cutlass.range(subtiles):
+                    cute.copy(t2r, acc[(None, None, None, s)], values)
+                    # earlier k-iterations' partials, cluster by cluster in order (a fixed order)
+                    for earlier in cutlass.range(owner(tile, plan), plan[0]):
+                        add_partial(values, partials[earlier * self.cluster_size + rank, None],
+                                    s * vectors_per_subtile, tidx, EPILOGUE_THREADS)
+                    buffer = (done + s) % self.tiling.epilogue_stages
+                    store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, tma_c,
+                                s_part[(None, buffer)], g_piece[(None, s)], sync, stores, warp == EPILOGUE_WARPS[0])
+                done += subtiles
+            # every epilogue warp has read this accumulator buffer: hand it back to the MMA warp
+            sync.arrive_and_wait()
+            with cute.arch.elect_one():
+                accumulator_ready.consumer_release(drained)
+            drained.advance()
+        stores.producer_tail()
+
+    def _mma_tile(self, tile, tiles_m, tiles_n, coord_vmnk):
+        """(m, n) MMA tile of this CTA for cluster tile `tile` of the grouped order (the pair of
+        a 2-CTA MMA shares one)."""
+        m, n = tile_coord(tile, tiles_m, tiles_n, self.tiling.group_m, cutlass.min)
+        per_cluster_m = self.tiling.cluster_m // (2 if self.two_cta else 1)
+        return m * per_cluster_m + coord_vmnk[1], n * self.tiling.cluster_n + coord_vmnk[2]
+
+
+def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",
+          dump_dir=None):
+    """One compiled kernel per (tiling, operand majors, C dtype); see gemm.fake_arguments."""
+    return runtime.compile_kernel(("gemm_sm100", tiling, a_k_major, b_k_major, c_dtype),
+                                  Sm100Gemm(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype]),
+                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype), arch=arch,
+                                  dump_dir=dump_dir, tvm_ffi=True)
+
+
+AUDIT_BUILDS = {
+    f"gemm_sm100[{t.tile_m}x{t.tile_n},cluster {t.cluster_m}x{t.cluster_n},A {'K' if ak else 'M'}-major,"
+    f"B {'K' if bk else 'N'}-major,C {c}]":
+        (lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c: build(t, ak, bk, c, arch, dump_dir))
+    for t, ak, bk, c in ((GemmTiling(), True, False, "bfloat16"),
+                         (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
+                         (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16"),
+                         (GemmTiling(tile_m=128, tile_n=64), True, False, "bfloat16"),
+                         (GemmTiling(tile_m=64, tile_n=128), True, True, "bfloat16"),
+                         (GemmTiling(cluster_m=2), True, False, "float32"))
+}
+# tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read
+# back with LDTM, TMA-store epilogue, no spills, no float atomics. Blackwell only: sm_90a has
+# no tcgen05.
+AUDIT_EXPECTS = {"sm_100a": {"require": ["UTCMMA", "UTMALDG", "UTMASTG", "LDTM"], "forbid": ["LOCAL", "ATOM/RED.FLOAT"]}}
