@@ -50,6 +50,24 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
             runtime.env_stream())
 
 
+def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
+                 arch: str, dump_dir=None):
+    """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype)."""
+    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype),
+                                  kernel_class(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype]),
+                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype), arch=arch,
+                                  dump_dir=dump_dir, tvm_ffi=True)
+
+
+def audit_builds(family: str, build, cases):
+    """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
+    K-major?, C dtype)."""
+    return {f"{family}[{t.tile_m}x{t.tile_n},cluster {t.cluster_m}x{t.cluster_n},A {'K' if ak else 'M'}-major,"
+            f"B {'K' if bk else 'N'}-major,C {c}]":
+            (lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c: build(t, ak, bk, c, arch, dump_dir))
+            for t, ak, bk, c in cases}
+
+
 # -- device-side schedule ----------------------------------------------------------------
 
 def work(schedule, tiles, k_tiles, cluster_size):

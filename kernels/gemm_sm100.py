@@ -28,7 +28,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling, tile_coord
 from . import runtime
-from .gemm import (C_DTYPES, add_partial, await_partial, fake_arguments, owner, publish_partial, store_partial,
+from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, owner, publish_partial, store_partial,
                    store_piece, unit, with_unit_batch, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
@@ -301,23 +301,17 @@ class Sm100Gemm:
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",
           dump_dir=None):
     """One compiled kernel per (tiling, operand majors, C dtype); see gemm.fake_arguments."""
-    return runtime.compile_kernel(("gemm_sm100", tiling, a_k_major, b_k_major, c_dtype),
-                                  Sm100Gemm(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype]),
-                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype), arch=arch,
-                                  dump_dir=dump_dir, tvm_ffi=True)
+    return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir)
 
 
-AUDIT_BUILDS = {
-    f"gemm_sm100[{t.tile_m}x{t.tile_n},cluster {t.cluster_m}x{t.cluster_n},A {'K' if ak else 'M'}-major,"
-    f"B {'K' if bk else 'N'}-major,C {c}]":
-        (lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c: build(t, ak, bk, c, arch, dump_dir))
-    for t, ak, bk, c in ((GemmTiling(), True, False, "bfloat16"),
-                         (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
-                         (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16"),
-                         (GemmTiling(tile_m=128, tile_n=64), True, False, "bfloat16"),
-                         (GemmTiling(tile_m=64, tile_n=128), True, True, "bfloat16"),
-                         (GemmTiling(cluster_m=2), True, False, "float32"))
-}
+AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
+    (GemmTiling(), True, False, "bfloat16"),
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
+    (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16"),
+    (GemmTiling(tile_m=128, tile_n=64), True, False, "bfloat16"),
+    (GemmTiling(tile_m=64, tile_n=128), True, True, "bfloat16"),
+    (GemmTiling(cluster_m=2), True, False, "float32"),
+))
 # tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read
 # back with LDTM, TMA-store epilogue, no spills, no float atomics. Blackwell only: sm_90a has
 # no tcgen05.

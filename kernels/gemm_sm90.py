@@ -34,7 +34,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, GemmTiling
 from . import runtime
-from .gemm import (C_DTYPES, add_partial, await_partial, cta_tile, fake_arguments, owner, publish_partial,
+from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
                    store_partial, store_piece, tma_load_op, unit, with_unit_batch, work)
 
 WARPGROUP = 128
@@ -262,20 +262,16 @@ class Sm90Gemm:
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_90a",
           dump_dir=None):
     """One compiled kernel per (tiling, operand majors, C dtype); see gemm.fake_arguments."""
-    return runtime.compile_kernel(("gemm_sm90", tiling, a_k_major, b_k_major, c_dtype),
-                                  Sm90Gemm(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype]),
-                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype), arch=arch,
-                                  dump_dir=dump_dir, tvm_ffi=True)
+    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir)
 
 
-AUDIT_BUILDS = {
-    f"gemm_sm90[{t.tile_m}x{t.tile_n},cluster {t.cluster_m}x{t.cluster_n},A {'K' if ak else 'M'}-major,"
-    f"B {'K' if bk else 'N'}-major,C {c}]":
-        (lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c: build(t, ak, bk, c, arch, dump_dir))
-    for t, ak, bk, c in ((GemmTiling(), True, False, "bfloat16"), (GemmTiling(tile_n=256), False, False, "bfloat16"),
-                         (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
-                         (GemmTiling(tile_m=64), True, True, "bfloat16"), (GemmTiling(), True, False, "float32"))
-}
+AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
+    (GemmTiling(), True, False, "bfloat16"),
+    (GemmTiling(tile_n=256), False, False, "bfloat16"),
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
+    (GemmTiling(tile_m=64), True, True, "bfloat16"),
+    (GemmTiling(), True, False, "float32"),
+))
 # Warpgroup MMAs fed by TMA loads, TMA-store epilogue, no spills; the stream-K ready flags are
 # integer atomics, never float ones (partials are added in a fixed order). Hopper only: sm_100a
 # has no warpgroup MMA; its twin (tcgen05) is a separate build.

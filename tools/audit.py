@@ -1,10 +1,11 @@
 """Machine-code audit: compile every registered kernel for sm_90a and sm_100a from fake
 arguments (no GPU needed), disassemble each cubin with nvdisasm, count instruction families,
-and check each build against what its kernel declares it must (and must not) contain.
+and check each build against what its kernel declares it must (and must not) contain, and
+against the hardware's per-CTA limits (registers, shared memory, tensor memory, cluster size).
 
     python -m cutebwd.tools.audit [--json audit.json] [--only SUBSTRING] [--keep DIR]
 
-Exit status 1 when any build misses a required family or holds a forbidden one.
+Exit status 1 when any build misses a required family, holds a forbidden one, or exceeds a limit.
 """
 from __future__ import annotations
 
@@ -30,6 +31,21 @@ from cutebwd.kernels.runtime import ARCHES
 FAMILIES = ("HGMMA", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM", "STTM", "LDG.128", "LDG.64",
             "LDG.32", "LDG.16", "LDG.8", "STG.128", "STG.64", "STG.32", "STG.16", "STG.8",
             "LDGSTS", "LDS", "STS", "SHFL", "ATOM/RED", "ATOM/RED.FLOAT", "LOCAL")
+
+# Hardware limits (CUDA C++ Programming Guide, technical specifications for compute capability
+# 9.0 and 10.0). A build over one of them compiles here and fails at launch on the GPU.
+MAX_REGISTERS_PER_THREAD = 255
+# Shared memory per CTA, static + dynamic: 228 KB per SM less the 1 KB the system reserves per
+# CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin; the DSL's own check uses the same figure).
+MAX_SMEM_BYTES = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
+SMEM_RESERVED_BYTES = 1024  # that reservation; ptxas counts it into the cubin's static size
+# Tensor memory (Blackwell only): 512 columns x 128 lanes per SM; tcgen05.alloc takes a power
+# of two from 32 to 512 columns.
+MAX_TMEM_COLUMNS = {"sm_100a": 512}
+MIN_TMEM_COLUMNS = 32
+# CTAs per cluster. 16 launch only with the non-portable opt-in (the DSL sets it on every
+# kernel) and only on some parts, so anything above the portable 8 counts as a violation.
+MAX_CLUSTER_CTAS = 8
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -133,14 +149,124 @@ def cubin_resources(cubin: bytes) -> dict:
                     sym, amount = struct.unpack_from("<II", cubin, pos)
                     resources.setdefault(symbols[sym], {})[_EIATTR[attr]] = amount
                 pos += value
+    # On sm_90+ ptxas puts the system's 1 KB per-CTA reservation at the start of every kernel's
+    # .nv.shared.<kernel> section (and adds an empty .nv.shared.reserved.0): a kernel that
+    # declares 4096 bytes gets a 5120-byte section, which ptxas -v reports as "4096 bytes smem".
+    # The reservation is not part of the 227 KB a CTA may ask for, so it is taken off here.
+    reserved = SMEM_RESERVED_BYTES if any(s.startswith(".nv.shared.reserved") for s in sections) else 0
     for section, h in sections.items():
         if section.startswith(".nv.shared.") and not section.startswith(".nv.shared.reserved"):
-            resources.setdefault(section[len(".nv.shared."):], {})["static_smem_bytes"] = h[5]
+            resources.setdefault(section[len(".nv.shared."):], {})["static_smem_bytes"] = max(h[5] - reserved, 0)
     return resources
 
 
+_PTX_FUNCTION = re.compile(r"\.(?:entry|func)\s+(?:\([^)]*\)\s*)?(\w+)")
+_TMEM_ALLOC = re.compile(r"tcgen05\.alloc\.[\w:.]+\s+\[[^\]]+\],\s*(%?\w+);")
+_MOV = re.compile(r"mov\.[bus]32\s+(%\w+),\s*(%?\w+);")
+_REQ_CLUSTER = re.compile(r"\.reqnctapercluster\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
+_MAX_CLUSTER_RANK = re.compile(r"\.maxclusterrank\s+(\d+)")
+
+
+def _ptx_constant(operand: str, body: str) -> int | None:
+    """The value of a tcgen05.alloc operand: an immediate, or a register one `mov` of a
+    constant (or of such a register) sets; None when it is computed at run time."""
+    for _ in range(8):
+        if operand.isdigit():
+            return int(operand)
+        sources = {src for reg, src in _MOV.findall(body) if reg == operand}
+        if len(sources) != 1:
+            return None
+        operand = sources.pop()
+    return None
+
+
+def ptx_resources(ptx: str) -> dict:
+    """Per PTX function: the tensor-memory columns each tcgen05.alloc asks for (None where not a
+    compile-time constant), and the cluster shape its directives fix, if any (.reqnctapercluster
+    and .maxclusterrank; the DSL usually sets the cluster at launch instead, see host_launches)."""
+    heads = list(_PTX_FUNCTION.finditer(ptx))
+    resources = {}
+    for head, following in zip(heads, heads[1:] + [None]):
+        body = ptx[head.start():following.start() if following else len(ptx)]
+        found = {}
+        allocs = [_ptx_constant(operand, body) for operand in _TMEM_ALLOC.findall(body)]
+        if allocs:
+            found["tmem_columns"] = allocs
+        # The directives sit between the parameter list and the body's "{".
+        directives = body[:body.find("{")] if "{" in body else body
+        if m := _REQ_CLUSTER.search(directives):
+            found["cluster"] = [int(d or 1) for d in m.groups()]
+        if m := _MAX_CLUSTER_RANK.search(directives):
+            found["max_cluster_rank"] = int(m.group(1))
+        if found:
+            resources[head.group(1)] = found
+    return resources
+
+
+# The DSL allocates shared memory dynamically (SmemAllocator, struct storage: the PTX holds
+# only `.extern .shared ... __dynamic_shmem__0[]`, the cubin no size) and sets the cluster
+# shape as a launch attribute, not a PTX directive. Both are fixed when the kernel is
+# generated: the launch op takes `cute.kernel_smem_size @kernel`, which a later pass resolves
+# to a constant, and the lowered host code (compiled.ir_module, LLVM dialect) builds a
+# CUlaunchConfig for cuLaunchKernelEx from constants. So each launch's figures are read there:
+# the i64 stored into the config's sharedMemBytes field, and the three i32 stored into the
+# value of its CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION attribute. (At load the DSL sets
+# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to the device's opt-in maximum less the
+# static size, so the launch's sharedMemBytes is the one figure that matters.)
+_LAUNCH_CONFIG = "!llvm.struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"  # grid, block, sharedMemBytes, stream, attrs, numAttrs
+_LAUNCH_ATTRIBUTE = "!llvm.struct<(i32, array<4 x i8>, array<64 x i8>)>"  # id, pad, value
+_DIM3 = "!llvm.struct<(i32, i32, i32)>"
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+_SSA = r"%[\w.$-]+"
+_DEFINITION = re.compile(rf"^\s*({_SSA}) = (.*)$")
+_GEP = re.compile(rf"llvm\.getelementptr (?:inbounds )?({_SSA})\[([\d, ]+)\] : .* -> !llvm\.ptr, (.+)$")
+_STORE = re.compile(rf"^\s*llvm\.store ({_SSA}), ({_SSA}) ")
+_LAUNCH_CALL = re.compile(rf"llvm\.call @_cudaLaunchKernelEx\(({_SSA}), ({_SSA}), ({_SSA})\)")
+_HOST_CONSTANT = re.compile(r"llvm\.mlir\.constant\((-?\d+) : i\d+\)")
+
+
+def host_launches(host_ir: str) -> list[dict]:
+    """Each cuLaunchKernelEx in the DSL's lowered host code: {"kernel", "dynamic_smem_bytes"
+    (None when not a compile-time constant), "cluster" ([x, y, z], [1, 1, 1] without one)}."""
+    launches = []
+    definitions: dict[str, str] = {}
+
+    def constant(name):
+        m = _HOST_CONSTANT.match(definitions.get(name, ""))
+        return int(m.group(1)) if m else None
+
+    def gep(name):  # (base, indices, element type) of a getelementptr, else None
+        m = _GEP.match(definitions.get(name, ""))
+        return (m.group(1), m.group(2).replace(" ", ""), m.group(3).strip()) if m else None
+
+    smem, attribute_ids, dims = None, {}, {}
+    for line in host_ir.splitlines():
+        if line.lstrip().startswith("llvm.func "):
+            definitions = {}  # SSA names are per function
+        if m := _DEFINITION.match(line):
+            definitions[m.group(1)] = m.group(2)
+        if m := _STORE.match(line):
+            value, field = constant(m.group(1)), gep(m.group(2))
+            if field and field[1:] == ("0,2", _LAUNCH_CONFIG):
+                smem = value
+            elif field and field[1:] == ("0,0", _LAUNCH_ATTRIBUTE):
+                attribute_ids[field[0]] = value
+            elif field and field[2] == _DIM3 and (outer := gep(field[0])) and outer[1:] == ("0,2", _LAUNCH_ATTRIBUTE):
+                dims.setdefault(outer[0], [1, 1, 1])[int(field[1].split(",")[1])] = value
+        if m := _LAUNCH_CALL.search(line):
+            # The kernel operand is a load of the host global @kernels_<kernel symbol>.
+            loaded = re.match(rf"llvm\.load ({_SSA})", definitions.get(m.group(2), ""))
+            symbol = re.match(r"llvm\.mlir\.addressof @(\w+)", definitions.get(loaded.group(1), "") if loaded else "")
+            cluster = next((a for a, i in attribute_ids.items() if i == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION), None)
+            launches.append({"kernel": symbol and re.sub(r"^kernels_", "", symbol.group(1)),
+                             "dynamic_smem_bytes": smem, "cluster": dims.get(cluster, [1, 1, 1])})
+            smem, attribute_ids, dims = None, {}, {}
+    return launches
+
+
 def audit_build(build, arch: str, nvdisasm: str, keep_dir: str | None = None) -> dict:
-    """Compile one build for `arch`, disassemble it, return its counts and resources."""
+    """Compile one build for `arch`, disassemble it, return its counts, resources and launches."""
     with tempfile.TemporaryDirectory() as tmp:
         dump_dir = os.path.join(keep_dir or tmp, arch)
         start = time.perf_counter()
@@ -153,8 +279,58 @@ def audit_build(build, arch: str, nvdisasm: str, keep_dir: str | None = None) ->
         sass = subprocess.run([nvdisasm, "-c", path], check=True, capture_output=True, text=True).stdout
     opcodes, families = count_instructions(sass)
     target = re.search(r"EF_CUDA_SM(\d+)|\.target\s+sm_(\d+)", sass)
+    resources = cubin_resources(cubin)
+    for kernel, found in ptx_resources(compiled.artifacts.PTX).items():
+        resources.setdefault(kernel, {}).update(found)
     return {"target": f"sm_{target.group(1) or target.group(2)}" if target else None, "compile_s": round(compile_s, 3),
-            "families": dict(families), "opcodes": dict(opcodes), "resources": cubin_resources(cubin)}
+            "families": dict(families), "opcodes": dict(opcodes), "resources": resources,
+            "launches": host_launches(str(compiled.ir_module))}
+
+
+def smem_bytes(result: dict, launch: dict) -> int | None:
+    """Shared memory one launch gives each CTA: its kernel's static size plus the dynamic size."""
+    if launch["dynamic_smem_bytes"] is None:
+        return None
+    return result["resources"].get(launch["kernel"], {}).get("static_smem_bytes", 0) + launch["dynamic_smem_bytes"]
+
+
+def _ctas(cluster) -> int:
+    return cluster[0] * cluster[1] * cluster[2]
+
+
+def limit_violations(result: dict) -> list[str]:
+    """Where a build exceeds the hardware's per-CTA limits for its arch, or where a figure
+    cannot be read (so cannot be checked)."""
+    arch, problems = result["arch"], []
+    for kernel, r in result["resources"].items():
+        if r.get("registers", 0) > MAX_REGISTERS_PER_THREAD:
+            problems.append(f"{kernel}: {r['registers']} registers per thread > {MAX_REGISTERS_PER_THREAD}")
+        for columns in r.get("tmem_columns", ()):
+            if columns is None:
+                problems.append(f"{kernel}: tcgen05.alloc column count is not a compile-time constant")
+            elif not (MIN_TMEM_COLUMNS <= columns <= MAX_TMEM_COLUMNS.get(arch, 0) and columns & (columns - 1) == 0):
+                problems.append(f"{kernel}: tcgen05.alloc of {columns} columns (a power of two from "
+                                f"{MIN_TMEM_COLUMNS} to {MAX_TMEM_COLUMNS.get(arch, 0)} on {arch})")
+        ctas = max(_ctas(r.get("cluster", (1, 1, 1))), r.get("max_cluster_rank", 1))
+        if ctas > MAX_CLUSTER_CTAS:
+            problems.append(f"{kernel}: cluster of {ctas} CTAs in its PTX > {MAX_CLUSTER_CTAS} (portable)")
+    for launch in result["launches"]:
+        total = smem_bytes(result, launch)
+        if total is None:
+            problems.append(f"{launch['kernel']}: launch's dynamic shared memory is not a compile-time constant")
+        elif total > MAX_SMEM_BYTES[arch]:
+            problems.append(f"{launch['kernel']}: {total} bytes of shared memory per CTA > {MAX_SMEM_BYTES[arch]}")
+        if None in launch["cluster"]:
+            problems.append(f"{launch['kernel']}: launch's cluster shape is not a compile-time constant")
+        elif _ctas(launch["cluster"]) > MAX_CLUSTER_CTAS:
+            problems.append(f"{launch['kernel']}: launched in clusters of {launch['cluster']} > {MAX_CLUSTER_CTAS} CTAs (portable)")
+    # Every kernel in the cubin (those with a register count) must have a launch read above,
+    # or its shared memory and cluster went unchecked.
+    launched = {launch["kernel"] for launch in result["launches"]}
+    for kernel, r in result["resources"].items():
+        if "registers" in r and kernel not in launched:
+            problems.append(f"{kernel}: no launch found in the host code")
+    return problems
 
 
 def violations(result: dict, expects: dict) -> list[str]:
@@ -183,18 +359,33 @@ def run_audit(only: str | None = None, keep_dir: str | None = None, progress=pri
         for arch in (a for a in ARCHES if a in expects):  # a build exists for the arches it names
             progress(f"[audit] {name} {arch} ...")
             result = {"kernel": name, "arch": arch, **audit_build(build, arch, nvdisasm, keep_dir)}
-            result["violations"] = violations(result, expects)
+            result["violations"] = violations(result, expects) + limit_violations(result)
             results.append(result)
     return results
 
 
+def resource_summary(result: dict) -> dict:
+    """The build's largest figure of each limited resource, over its kernels and launches."""
+    launches = result["launches"]
+    smem = [smem_bytes(result, launch) for launch in launches]
+    tmem = [c for r in result["resources"].values() for c in r.get("tmem_columns", ()) if c is not None]
+    clusters = [launch["cluster"] for launch in launches if None not in launch["cluster"]]
+    clusters += [r["cluster"] for r in result["resources"].values() if "cluster" in r]
+    return {"regs": max((r.get("registers", 0) for r in result["resources"].values()), default=0),
+            "smem_bytes": None if None in smem else max(smem, default=0),
+            "tmem_columns": max(tmem, default=None),
+            "cluster": max(clusters, key=_ctas, default=[1, 1, 1])}
+
+
 def format_table(results: list[dict]) -> str:
     shown = [f for f in FAMILIES if any(r["families"].get(f) for r in results)]
-    header = ["kernel", "arch", "regs", *shown, "check"]
+    header = ["kernel", "arch", "regs", "smem KB", "tmem cols", "cluster", *shown, "check"]
     rows = []
     for r in results:
-        regs = max((v.get("registers", 0) for v in r["resources"].values()), default=0)
-        rows.append([r["kernel"], r["arch"], str(regs), *(str(r["families"].get(f, 0)) for f in shown),
+        used = resource_summary(r)
+        smem = "?" if used["smem_bytes"] is None else f"{used['smem_bytes'] / 1024:.1f}"
+        rows.append([r["kernel"], r["arch"], str(used["regs"]), smem, str(used["tmem_columns"] or "-"),
+                     "x".join(map(str, used["cluster"])), *(str(r["families"].get(f, 0)) for f in shown),
                      "ok" if not r["violations"] else "FAIL: " + "; ".join(r["violations"])])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows])
