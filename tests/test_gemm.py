@@ -204,11 +204,16 @@ def _bar_tilings():
 
 @pytest.mark.parametrize("tiling,a_k_major,b_k_major", _bar_tilings(), ids=str)
 def test_blackwell_twin_compiles_every_tiling_the_rules_pick(tiling, a_k_major, b_k_major):
-    """No Blackwell GPU here: what the sm_100a dispatch would run must at least compile (and
-    the audit checks its machine code). The shared host wrapper picks the same tilings."""
+    """No Blackwell GPU here: what the sm_100a dispatch would run must compile, hold tcgen05
+    MMAs and tensor-memory loads, and fit a B200 (registers, shared and tensor memory,
+    cluster). The shared host wrapper picks the same tilings on both arches."""
     from cutebwd.kernels import gemm_sm100
+    from cutebwd.tools import audit
 
-    assert gemm_sm100.build(tiling, a_k_major, b_k_major, "bfloat16", "sm_100a") is not None
+    result = audit.audit_build(lambda arch, dump_dir: gemm_sm100.build(
+        tiling, a_k_major, b_k_major, "bfloat16", arch, dump_dir), "sm_100a", audit.find_nvdisasm())
+    result.update(kernel=str(tiling), arch="sm_100a")
+    assert not audit.violations(result, gemm_sm100.AUDIT_EXPECTS) + audit.limit_violations(result)
 
 
 def test_one_host_wrapper_for_both_arches():
