@@ -23,9 +23,6 @@ class GemmTiling:
     # Persistent tile order: tiles go out in groups of `group_m` tile rows, walking M inside a
     # group, so CTAs working at the same time share B panels and a few A panels in L2.
     group_m: int = 8
-    # Hopper: two consumer warpgroups on different 64-row tiles in turn ("pingpong"), so one's
-    # epilogue runs under the other's MMAs, instead of both on one tile ("cooperative").
-    pingpong: bool = False
 
     def check_sm90(self) -> None:
         """Raise ValueError unless a Hopper warpgroup-MMA kernel can use this tiling."""
@@ -39,8 +36,6 @@ class GemmTiling:
             raise ValueError(f"cluster must be powers of two with at most 4 CTAs, got {self.cluster_m}x{self.cluster_n}")
         if self.group_m < 1:
             raise ValueError(f"group_m must be at least 1, got {self.group_m}")
-        if self.pingpong and (self.tile_m != 64 or self.cluster_m * self.cluster_n != 1):
-            raise ValueError("pingpong takes 64-row tiles and no cluster (each warpgroup owns a whole tile)")
         if self.mainloop_stages(SM90_SMEM_BYTES) < 2:
             raise ValueError(f"tile {self.tile_m}x{self.tile_n}x{self.tile_k} leaves no room for two stages")
 
@@ -65,23 +60,18 @@ class GemmTiling:
 
     @property
     def mma_warpgroups(self) -> int:
-        """Consumer warpgroups: one per 64 rows of the tile (a warpgroup MMA is 64 rows tall),
-        or two taking 64-row tiles in turn (pingpong)."""
-        return 2 if self.pingpong else self.tile_m // 64
+        """Consumer warpgroups: one per 64 rows of the tile (a warpgroup MMA is 64 rows tall)."""
+        return self.tile_m // 64
 
     def epilogue_tile(self) -> tuple[int, int]:
         """The piece of C staged through shared memory per TMA store."""
         return (min(self.tile_m, 128), min(self.tile_n, 32))
 
-    def epilogue_buffers(self) -> int:
-        """Shared-memory staging buffers of C: `epilogue_stages` per warpgroup storing on its own."""
-        return self.epilogue_stages * (2 if self.pingpong else 1)
-
     def mainloop_stages(self, smem_bytes: int, c_bytes: int = 2) -> int:
         """As many A+B stages as fit next to the epilogue's staging buffers."""
         stage = (self.tile_m + self.tile_n) * self.tile_k * 2
         epilogue_m, epilogue_n = self.epilogue_tile()
-        return (smem_bytes - self.epilogue_buffers() * epilogue_m * epilogue_n * c_bytes) // stage
+        return (smem_bytes - self.epilogue_stages * epilogue_m * epilogue_n * c_bytes) // stage
 
 
 def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):

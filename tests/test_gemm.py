@@ -21,11 +21,9 @@ def test_grouped_order_walks_m_inside_a_group():
 def test_sm90_tiling_checks():
     for tiling in (GemmTiling(), GemmTiling(tile_n=256), GemmTiling(tile_m=64, tile_n=64)):
         tiling.check_sm90()
-    for bad in (GemmTiling(tile_m=96), GemmTiling(tile_n=264), GemmTiling(tile_k=32), GemmTiling(cluster_m=3),
-                GemmTiling(pingpong=True), GemmTiling(tile_m=64, cluster_m=2, pingpong=True)):
+    for bad in (GemmTiling(tile_m=96), GemmTiling(tile_n=264), GemmTiling(tile_k=32), GemmTiling(cluster_m=3)):
         with pytest.raises(ValueError):
             bad.check_sm90()
-    assert GemmTiling(tile_m=64, pingpong=True).mma_warpgroups == 2
 
 
 def test_default_tiling_is_valid_for_the_layer_products():
@@ -51,7 +49,7 @@ def _reference(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_view,b_view", [("k", "n"), ("m", "n"), ("k", "k")])
 @pytest.mark.parametrize("m,n,k", [(128, 128, 64), (296, 520, 64), (1000, 776, 1000), (2048, 5120, 512)])
-@pytest.mark.parametrize("cluster", [(1, 1), (2, 1), "pingpong"])
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1)])
 def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster):
     """Sizes that are not tile multiples (TMA bounds), K = 64 (one k-tile), both operand
     majors; extents stay multiples of 8 because TMA needs 16-byte strides."""
@@ -63,9 +61,8 @@ def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster):
     b = torch.randn(n, k, device="cuda", generator=g).bfloat16() if b_view == "k" else \
         torch.randn(k, n, device="cuda", generator=g).bfloat16().t()
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tiling = GemmTiling(tile_m=64, tile_n=128, pingpong=True) if cluster == "pingpong" else \
-        dataclasses.replace(default_tiling(m, n, k), cluster_m=cluster[0], cluster_n=cluster[1])
-    matmul_nt(a, b, out=out, tiling=tiling)
+    matmul_nt(a, b, out=out, tiling=dataclasses.replace(default_tiling(m, n, k), cluster_m=cluster[0],
+                                                        cluster_n=cluster[1]))
     ref = _reference(a, b)
     assert not out.isnan().any()
     assert torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref) < 1e-2
@@ -140,7 +137,7 @@ def test_stream_k_schedule_covers_every_k_iteration_once(tiles, k_tiles, ctas):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_n,cluster", [(128, (1, 1)), (256, (1, 1)), (256, (2, 1)), (128, (1, 2)), (256, "pingpong")])
+@pytest.mark.parametrize("tile_n,cluster", [(128, (1, 1)), (256, (1, 1)), (256, (2, 1)), (128, (1, 2))])
 @pytest.mark.parametrize("m,n,k", [(512, 5120, 1024), (128, 1280, 4096), (1000, 776, 1000), (2048, 640, 512)])
 def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_n, cluster):
     """Stream-K forced on (ragged last waves cut into k-iterations), with and without clusters
@@ -150,8 +147,7 @@ def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_n, cluster):
     from cutebwd.layouts.gemm import GemmTiling
 
     a, b = _operands(m, n, k, seed=m + n)
-    tiling = GemmTiling(tile_m=64, tile_n=tile_n, pingpong=True) if cluster == "pingpong" else \
-        GemmTiling(tile_m=128, tile_n=tile_n, cluster_m=cluster[0], cluster_n=cluster[1])
+    tiling = GemmTiling(tile_m=128, tile_n=tile_n, cluster_m=cluster[0], cluster_n=cluster[1])
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     matmul_nt(a, b, out=out, tiling=tiling, stream_k=True)
     ref = _reference(a, b)
