@@ -236,12 +236,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-cases", type=int, help="only the first N cases of each problem (a smoke run)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench: no CUDA GPU here; nothing to time", file=sys.stderr)
+    if not timing.have_gpu("bench"):
         return 2
-
-    def log(message):
-        print(message, file=sys.stderr, flush=True)
+    log = timing.progress
 
     started = time.perf_counter()
     log("[bench] ceilings ...")

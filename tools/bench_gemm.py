@@ -91,12 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default="bench-gemm.json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gemm: no CUDA GPU here; nothing to time", file=sys.stderr)
+    if not timing.have_gpu("bench_gemm"):
         return 2
-
-    def log(message):
-        print(message, file=sys.stderr, flush=True)
+    log = timing.progress
 
     started = time.perf_counter()
     generator = torch.Generator(device="cuda").manual_seed(args.seed)

@@ -5,6 +5,7 @@ replay figure strips the host cost for small shapes. Ceilings measured the same 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -16,6 +17,19 @@ L2_ESCAPE_BYTES = 256 << 20
 
 def copies_to_escape_l2(input_bytes: int, cap: int = 32) -> int:
     return max(1, min(cap, -(-L2_ESCAPE_BYTES // max(input_bytes, 1))))
+
+
+def progress(message: str) -> None:
+    """A progress line of a long-running tool (stderr, so the table on stdout stays clean)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def have_gpu(tool: str) -> bool:
+    """True with a CUDA GPU; otherwise say that `tool` has nothing to time here."""
+    if torch.cuda.is_available():
+        return True
+    progress(f"{tool}: no CUDA GPU here; nothing to time")
+    return False
 
 
 def _loop_ms(fn, arg_sets, calls: int) -> float:
