@@ -21,9 +21,9 @@ from cutlass import BFloat16, Float32, Int32
 from ..layouts.gemm import GemmTiling, default_tiling, stream_k_count, stream_k_plan, stream_k_range, \
     stream_k_segment, tile_coord
 from . import runtime
+from .rows import VECTOR, wide_copy  # a partial tile moves VECTOR fp32 accumulators per 16-byte access
 
 C_DTYPES = {"bfloat16": BFloat16, "float32": Float32}
-VECTOR = 4  # fp32 accumulators per 16-byte access of a partial tile
 
 
 def with_unit_batch(t):
@@ -101,17 +101,12 @@ def owner(tile, schedule):
     return (tile - dp_tiles) * k_tiles // per
 
 
-def cta_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, cluster_coord):
-    """(m, n) tile of this CTA for cluster tile `tile` of the grouped order."""
+def cta_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair: int = 1):
+    """(m, n) tile of this CTA for cluster tile `tile` of the grouped order, the CTA sitting at
+    (coord_m, coord_n) of its cluster. `pair` CTAs along M share one tile (a 2-CTA MMA on
+    Blackwell), so a cluster is cluster_m / pair tiles tall."""
     m, n = tile_coord(tile, tiles_m, tiles_n, tiling.group_m, cutlass.min)
-    return m * tiling.cluster_m + cluster_coord[0], n * tiling.cluster_n + cluster_coord[1]
-
-
-def tma_load_op(peers: int):
-    """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
-    if peers == 1:
-        return cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-    return cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+    return m * (tiling.cluster_m // pair) + coord_m, n * tiling.cluster_n + coord_n
 
 
 # -- epilogue pieces ---------------------------------------------------------------------
@@ -145,10 +140,6 @@ def _partial_vector(slot, j, thread, threads):
     return vectors[None, thread, j]
 
 
-def _vector_copy():
-    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-
-
 @cute.jit
 def store_partial(values, slot, first, thread, threads):
     """Store fp32 `values` (a multiple of VECTOR, this thread's) as vectors first, first + 1, ..."""
@@ -156,7 +147,7 @@ def store_partial(values, slot, first, thread, threads):
     staging = cute.make_rmem_tensor((VECTOR,), Float32)
     for j in cutlass.range_constexpr(cute.size(values) // VECTOR):
         staging.store(flat[None, j].load())
-        cute.copy(_vector_copy(), staging, _partial_vector(slot, first + j, thread, threads))
+        cute.copy(wide_copy(Float32), staging, _partial_vector(slot, first + j, thread, threads))
 
 
 @cute.jit
@@ -165,7 +156,7 @@ def add_partial(values, slot, first, thread, threads):
     flat = cute.make_tensor(values.iterator, cute.make_layout((VECTOR, cute.size(values) // VECTOR)))
     staging = cute.make_rmem_tensor((VECTOR,), Float32)
     for j in cutlass.range_constexpr(cute.size(values) // VECTOR):
-        cute.copy(_vector_copy(), _partial_vector(slot, first + j, thread, threads), staging)
+        cute.copy(wide_copy(Float32), _partial_vector(slot, first + j, thread, threads), staging)
         flat[None, j].store(flat[None, j].load() + staging.load())
 
 

@@ -26,10 +26,9 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling, tile_coord
-from . import runtime
-from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, owner, publish_partial, store_partial,
-                   store_piece, unit, with_unit_batch, work)
+from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
+from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
+                   store_partial, store_piece, unit, with_unit_batch, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
@@ -52,8 +51,9 @@ class Sm100Gemm:
         self.cluster_size = tiling.cluster_m * tiling.cluster_n
         self.two_cta = tiling.two_cta_mma
         self.cta_group = tcgen05.CtaGroup.TWO if self.two_cta else tcgen05.CtaGroup.ONE
+        self.pair = 2 if self.two_cta else 1  # CTAs sharing one MMA tile
         # The MMA tile spans the CTA pair with 2-CTA MMAs; each CTA's share is the tiling's tile.
-        self.mma_tiler = (tiling.tile_m * (2 if self.two_cta else 1), tiling.tile_n, tiling.tile_k)
+        self.mma_tiler = (tiling.tile_m * self.pair, tiling.tile_n, tiling.tile_k)
         self.cta_tile = (tiling.tile_m, tiling.tile_n, tiling.tile_k)
         self.threads = 32 * (len(EPILOGUE_WARPS) + 2)
 
@@ -166,9 +166,8 @@ class Sm100Gemm:
             cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b), 0, 3))
         frag_a, frag_b = tiled_mma.make_fragment_A(s_a), tiled_mma.make_fragment_B(s_b)
         c_of_cta = thr_mma.partition_C(g_c)  # this CTA's rows of every MMA tile of C
-        # Cluster tiles of the schedule, in MMA tiles: cluster_m / V MMA tiles tall.
-        mma_per_cluster_m = t.cluster_m // cute.size(tiled_mma.thr_id.shape)
-        tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), mma_per_cluster_m)
+        # Cluster tiles of the schedule, in MMA tiles: cluster_m / pair MMA tiles tall.
+        tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m // self.pair)
         tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
 
@@ -291,11 +290,8 @@ class Sm100Gemm:
         stores.producer_tail()
 
     def _mma_tile(self, tile, tiles_m, tiles_n, coord_vmnk):
-        """(m, n) MMA tile of this CTA for cluster tile `tile` of the grouped order (the pair of
-        a 2-CTA MMA shares one)."""
-        m, n = tile_coord(tile, tiles_m, tiles_n, self.tiling.group_m, cutlass.min)
-        per_cluster_m = self.tiling.cluster_m // (2 if self.two_cta else 1)
-        return m * per_cluster_m + coord_vmnk[1], n * self.tiling.cluster_n + coord_vmnk[2]
+        """(m, n) MMA tile of this CTA for cluster tile `tile` (the pair of a 2-CTA MMA shares one)."""
+        return cta_tile(self.tiling, tile, tiles_m, tiles_n, coord_vmnk[1], coord_vmnk[2], self.pair)
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",

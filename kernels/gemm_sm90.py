@@ -33,9 +33,8 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, GemmTiling
-from . import runtime
 from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
-                   store_partial, store_piece, tma_load_op, unit, with_unit_batch, work)
+                   store_partial, store_piece, unit, with_unit_batch, work)
 
 WARPGROUP = 128
 PRODUCER_REGISTERS = 40
@@ -152,7 +151,7 @@ class Sm90Gemm:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for u in cutlass.range(units):
                     tile, k_begin, k_end = unit(u, plan)
-                    m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord)
+                    m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
                     for k in cutlass.range(k_begin, k_end):
                         ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
@@ -236,8 +235,8 @@ class Sm90Gemm:
                         theirs = earlier * self.cluster_size + rank
                         await_partial(flags, theirs, ctidx, consumers_sync)
                         add_partial(acc, partials[theirs, None], 0, ctidx, consumer_threads)
-                m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord)
-                self._epilogue(r2s, r2s.retile(acc), r2s_dst, piece, s_c, g_c, tma_c, m, n, done, consumers_sync,
+                m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
+                self._epilogue(r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, consumers_sync,
                                stores, warp)
                 done += 1
         stores.producer_tail()
@@ -257,6 +256,13 @@ class Sm90Gemm:
             buffer = (done * pieces + p) % self.tiling.epilogue_stages
             store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
                         g_part[(None, piece_grid.get_hier_coord(p))], sync, stores, warp == 4)
+
+
+def tma_load_op(peers: int):
+    """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
+    if peers == 1:
+        return cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+    return cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_90a",
