@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
-SM100_SMEM_BYTES = 232448 - 1024  # B200: the same 227 KB per CTA
+SM100_SMEM_BYTES = SM90_SMEM_BYTES  # B200: the same 227 KB per CTA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +30,7 @@ class GemmTiling:
             raise ValueError(f"tile_m must be 64, 128 or 256 on sm_90a, got {self.tile_m}")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256] on sm_90a, got {self.tile_n}")
-        if self.tile_k != 64:
-            raise ValueError(f"tile_k must be 64 (one 128-byte swizzle row of bf16), got {self.tile_k}")
-        if self.cluster_m * self.cluster_n > 4 or any(c not in (1, 2, 4) for c in (self.cluster_m, self.cluster_n)):
-            raise ValueError(f"cluster must be powers of two with at most 4 CTAs, got {self.cluster_m}x{self.cluster_n}")
-        if self.group_m < 1:
-            raise ValueError(f"group_m must be at least 1, got {self.group_m}")
+        self._check_k_cluster_order(max_cluster=4)
         if self.mainloop_stages(SM90_SMEM_BYTES) < 2:
             raise ValueError(f"tile {self.tile_m}x{self.tile_n}x{self.tile_k} leaves no room for two stages")
 
@@ -45,10 +40,17 @@ class GemmTiling:
             raise ValueError(f"tile_m must be 64 or 128 on sm_100a (a 2-CTA pair makes 256), got {self.tile_m}")
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 32 in [32, 256] on sm_100a, got {self.tile_n}")
+        self._check_k_cluster_order(max_cluster=8)
+
+    def _check_k_cluster_order(self, max_cluster: int) -> None:
+        """What both arches ask of tile_k, the cluster (powers of two, at most `max_cluster`
+        CTAs) and the tile order."""
         if self.tile_k != 64:
             raise ValueError(f"tile_k must be 64 (one 128-byte swizzle row of bf16), got {self.tile_k}")
-        if self.cluster_m * self.cluster_n > 8 or any(c not in (1, 2, 4, 8) for c in (self.cluster_m, self.cluster_n)):
-            raise ValueError(f"cluster must be powers of two with at most 8 CTAs, got {self.cluster_m}x{self.cluster_n}")
+        powers = [1 << i for i in range(max_cluster.bit_length())]
+        if self.cluster_m * self.cluster_n > max_cluster or any(c not in powers for c in (self.cluster_m, self.cluster_n)):
+            raise ValueError(f"cluster must be powers of two with at most {max_cluster} CTAs, "
+                             f"got {self.cluster_m}x{self.cluster_n}")
         if self.group_m < 1:
             raise ValueError(f"group_m must be at least 1, got {self.group_m}")
 
