@@ -183,32 +183,16 @@ def await_partial(flags, slot, thread, sync):
 _ARCH_MODULES = {"sm_90a": ".gemm_sm90", "sm_100a": ".gemm_sm100"}  # the per-arch main loops
 
 
-class _StreamKWorkspace:
+class _StreamKWorkspace(runtime.StreamWorkspace):
     """Per CUDA stream: fp32 partial tiles [ctas, tile elements] and int32 ready flags [ctas].
     The flags start at zero and each finisher sets the ones it consumed back to zero, so a
-    buffer serves call after call on its stream. Under CUDA-graph capture a fresh pair comes
+    pair serves call after call on its stream. Under CUDA-graph capture a fresh pair comes
     from the graph's pool (the flags' zero fill is captured too)."""
-
-    def __init__(self, ctas: int, tile_elements: int, device):
-        self.ctas, self.tile_elements, self.device = ctas, tile_elements, device
-        self._buffers = {}
 
     def _new(self):
         import torch
 
-        return (torch.empty((self.ctas, self.tile_elements), dtype=torch.float32, device=self.device),
-                torch.zeros(self.ctas, dtype=torch.int32, device=self.device))
-
-    def get(self):
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():
-            return self._new()
-        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        pair = self._buffers.get(stream)
-        if pair is None:
-            pair = self._buffers[stream] = self._new()
-        return pair
+        return super()._new(), torch.zeros(self.shape[0], dtype=torch.int32, device=self.device)
 
 
 def _k_major(t, name):
@@ -233,7 +217,8 @@ def _check(a, b, out):
     if k != k_b:
         raise ValueError(f"a is [{m}, {k}] and b is [{n}, {k_b}]: the K extents differ")
     for name, t in (("a", a), ("b", b)):
-        if t.numel() and _k_major(t, name) and t.stride(0) % 8 or not _k_major(t, name) and t.stride(1) % 8:
+        k_major = _k_major(t, name)
+        if t.numel() and k_major and t.stride(0) % 8 or not k_major and t.stride(1) % 8:
             raise ValueError(f"{name}: the non-contiguous stride must be a multiple of 8 elements (16 bytes) "
                              f"for TMA, got strides {t.stride()}")
     if out is not None:
@@ -243,7 +228,7 @@ def _check(a, b, out):
     check_same_device(a=a, b=b, out=out)
 
 
-_compiled: dict = {}  # (tiling, a K-major?, b K-major?, C dtype, device) -> (TVM-FFI function, SM count)
+_compiled: dict = {}  # (tiling, a K-major?, b K-major?, C dtype, device) -> (TVM-FFI function, max clusters)
 _calls: dict = {}  # (M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked) -> _Call
 
 
@@ -256,17 +241,18 @@ class _Call:
     def __init__(self, run, max_clusters: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k):
         # The schedule deals out cluster tiles to clusters (one CTA per SM, at most one cluster
         # per tile, no more clusters than can be resident at once: a cluster that waits for a
-        # free GPC would run its whole share after everyone else). Measured: letting stream-K spread few tiles over more clusters (split-K
-        # style) made the short-M and long-K products slower, not faster (gemm-notes.md).
+        # free GPC would run its whole share after everyone else). Measured: letting stream-K
+        # spread few tiles over more clusters (split-K style) made the short-M and long-K
+        # products slower, not faster (gemm-notes.md).
         size = tiling.cluster_m * tiling.cluster_n
         tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n))
-        k_tiles = -(-k // tiling.tile_k)
         clusters = max(1, min(max_clusters, tiles))  # an empty C never launches
         self.run, self.ctas = run, clusters * size
-        self.dp_tiles, self.per = stream_k_plan(tiles, k_tiles, clusters,
-                                                min_iterations=1 if stream_k else MIN_ITERATIONS)
         if stream_k is False:
             self.dp_tiles, self.per = tiles, 0
+        else:
+            self.dp_tiles, self.per = stream_k_plan(tiles, -(-k // tiling.tile_k), clusters,
+                                                    min_iterations=1 if stream_k else MIN_ITERATIONS)
         elements = tiling.tile_m * tiling.tile_n
         self.workspace = _StreamKWorkspace(self.ctas if self.per else 1, elements, device)
 
@@ -285,8 +271,6 @@ def _max_clusters(device, size: int) -> int:
 
 def _resolve(a, b, out, tiling, c_dtype, stream_k):
     """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
-    import torch
-
     _check(a, b, out)
     (m, k), n = a.shape, b.shape[0]
     arch = runtime.device_arch(a.device.index)

@@ -90,17 +90,23 @@ class StreamWorkspace:
 
     def __init__(self, rows: int, cols: int, device):
         self.shape, self.device = (rows, cols), device
-        self._buffers = {}  # raw CUDA stream handle -> tensor
+        self._buffers = {}  # raw CUDA stream handle -> what _new made
+
+    def _new(self):
+        """One stream's workspace (subclasses add what else they keep per stream)."""
+        import torch
+
+        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
 
     def get(self):
         import torch
 
         if torch.cuda.is_current_stream_capturing():
-            return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+            return self._new()
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         buffer = self._buffers.get(stream)
         if buffer is None:
-            buffer = self._buffers[stream] = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+            buffer = self._buffers[stream] = self._new()
         return buffer
 
 

@@ -348,6 +348,11 @@ def violations(result: dict, expects: dict) -> list[str]:
     return problems
 
 
+def build_problems(result: dict, expects: dict) -> list[str]:
+    """Everything wrong with one build: against its declaration and against the hardware limits."""
+    return violations(result, expects) + limit_violations(result)
+
+
 def run_audit(only: str | None = None, keep_dir: str | None = None, progress=print) -> list[dict]:
     from cutebwd.kernels.registry import audit_builds
 
@@ -359,7 +364,7 @@ def run_audit(only: str | None = None, keep_dir: str | None = None, progress=pri
         for arch in (a for a in ARCHES if a in expects):  # a build exists for the arches it names
             progress(f"[audit] {name} {arch} ...")
             result = {"kernel": name, "arch": arch, **audit_build(build, arch, nvdisasm, keep_dir)}
-            result["violations"] = violations(result, expects) + limit_violations(result)
+            result["violations"] = build_problems(result, expects)
             results.append(result)
     return results
 
