@@ -11,7 +11,11 @@ Structure (warp-specialized, persistent, one CTA per SM):
   loads half of the shared operand tile and multicasts it to its peer;
 - warpgroups 1.. are consumers: warpgroup MMAs (64 rows each) from shared memory into fp32
   registers, then the epilogue: registers -> C type -> shared memory (stmatrix) -> TMA store,
-  one epilogue piece at a time;
+  one epilogue piece at a time. Cooperative: all consumers work each tile together.
+  Pingpong (`tiling.pingpong`): two consumer warpgroups take whole tiles in turn, each with
+  its own staging buffers and store warp; a warpgroup starts a tile's MMAs only once the other
+  has issued all of its previous tile's, so the tensor cores alternate between them and one's
+  epilogue runs under the other's MMAs (the short-K products, where epilogues are a large share);
 - the schedule (layouts.gemm): cluster tiles in grouped order, whole waves data-parallel
   (tile = cluster + u * clusters); a ragged last wave (plus one full wave) is hybrid stream-K:
   its k-iterations are dealt out evenly, and the cluster that holds a tile's last k-iterations
@@ -51,6 +55,7 @@ class Sm90Gemm:
         self.c_dtype = c_dtype
         self.tile_mnk = (tiling.tile_m, tiling.tile_n, tiling.tile_k)
         self.consumers = tiling.mma_warpgroups
+        self.tile_warpgroups = tiling.tile_warpgroups
         self.threads = WARPGROUP * (1 + self.consumers)
         self.stages = tiling.mainloop_stages(SM90_SMEM_BYTES, c_bytes=c_dtype.width // 8)
         self.epi_tile = tiling.epilogue_tile()
@@ -67,10 +72,10 @@ class Sm90Gemm:
         a, b, c = with_unit_batch(a), with_unit_batch(b), with_unit_batch(c)
         tiled_mma = sm90.make_trivial_tiled_mma(
             BFloat16, BFloat16, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            Float32, (self.consumers, 1, 1), tiler_mn=(64, t.tile_n))
+            Float32, (self.tile_warpgroups, 1, 1), tiler_mn=(64, t.tile_n))
         a_smem = sm90.make_smem_layout_a(self.a_layout, self.tile_mnk, BFloat16, self.stages)
         b_smem = sm90.make_smem_layout_b(self.b_layout, self.tile_mnk, BFloat16, self.stages)
-        c_smem = sm90.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, t.epilogue_stages)
+        c_smem = sm90.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, t.epilogue_buffers())
         # In a cluster, the CTAs of one cluster column share A's tile and those of one cluster
         # row share B's: each loads a slice and multicasts it to the others.
         tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -116,13 +121,14 @@ class Sm90Gemm:
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         stage_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
-        # One producer thread arms each stage; every consumer warp releases it, in this CTA and
-        # in each peer that multicasts into it (a stage is refilled only once all readers are done).
+        # One producer thread arms each stage; every consumer warp that reads it releases it, in
+        # this CTA and in each peer that multicasts into it (a stage is refilled only once all
+        # readers are done). Pingpong: one warpgroup reads a stage.
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     (sum(self.cluster) - 1) * self.consumers * 4),
+                                                     (sum(self.cluster) - 1) * self.tile_warpgroups * 4),
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *self.cluster, 1)), defer_sync=True)
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster, is_relaxed=True)
 
@@ -171,10 +177,19 @@ class Sm90Gemm:
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles, tiles_m, tiles_n,
                  cluster_coord, partials, flags, ctidx, warp):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
-        stream-K units hand partial tiles on or gather them first."""
-        # A warpgroup MMA is issued by the warpgroup as a whole: every thread of a consumer
-        # warpgroup takes that warpgroup's slice (its first thread's index).
-        thr_mma = tiled_mma.get_slice((ctidx // WARPGROUP) * WARPGROUP)
+        stream-K units hand partial tiles on or gather them first. A team works each unit: all
+        consumer warpgroups (cooperative), or one warpgroup, the two taking units in turn
+        (pingpong: team = warpgroup, with its own barrier, store warp and staging buffers)."""
+        pingpong = self.tiling.pingpong
+        turns = 2 if cutlass.const_expr(pingpong) else 1
+        # warp-uniform, so ptxas sees the turn-taking branches below as uniform (in a divergent
+        # branch it would serialize the warpgroup MMAs)
+        team = cute.arch.make_warp_uniform(ctidx // WARPGROUP) if cutlass.const_expr(pingpong) else 0
+        team_threads = WARPGROUP * self.tile_warpgroups
+        thread = ctidx % team_threads
+        # A warpgroup MMA is issued by the warpgroup as a whole: every thread of a warpgroup
+        # takes that warpgroup's slice (its first thread's index within the team).
+        thr_mma = tiled_mma.get_slice((thread // WARPGROUP) * WARPGROUP)
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(g_c).shape[:3], Float32)
@@ -185,66 +200,84 @@ class Sm90Gemm:
         store_atom = sm90.get_smem_store_op(self.c_layout, self.c_dtype, Float32)
         c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
         r2s = cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(ctidx)
+        thr_r2s = r2s.get_slice(thread)
         r2s_dst = thr_r2s.partition_D(s_c)
         r2s_acc = r2s.retile(acc)
         piece = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(s_c))[:3], Float32)
-        consumer_threads = self.consumers * WARPGROUP
-        consumers_sync = pipeline.NamedBarrier(barrier_id=1, num_threads=consumer_threads)
+        team_sync = pipeline.NamedBarrier(barrier_id=1 + team, num_threads=team_threads)
+        # Pingpong turns: a warpgroup arrives on the other's barrier once it has issued a unit's
+        # MMAs, and waits on its own before issuing its next unit's. Besides alternating the
+        # tensor cores, this keeps each warpgroup's ring waits within one phase of the
+        # producer's (it skips the other's stages without waiting on them).
+        my_turn = pipeline.NamedBarrier(barrier_id=3 + team, num_threads=2 * WARPGROUP)
+        their_turn = pipeline.NamedBarrier(barrier_id=4 - team, num_threads=2 * WARPGROUP)
         stores = pipeline.PipelineTmaStore.create(
             num_stages=self.tiling.epilogue_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads))
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, team_threads))
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        done = Int32(0)  # tiles finished by this CTA: picks the epilogue's shared-memory buffer
+        done = Int32(0)  # tiles finished by this team: picks the epilogue's shared-memory buffer
         units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
         slot, _, _ = cute.arch.block_idx()  # this CTA's partial-tile slot and flag
         rank = slot % self.cluster_size
         for u in cutlass.range(units):
             tile, k_begin, k_end = unit(u, plan)
-            acc.fill(0.0)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.fence()
-            # Keep one k-tile of MMAs in flight: release a stage only once the MMAs that read
-            # it have retired (wait_group(1) after issuing the next one).
-            for k in cutlass.range(k_end - k_begin):
-                ring.consumer_wait(read)
-                for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, read.index)],
-                              frag_b[(None, None, kb, read.index)], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                read.advance()
-                if k > 0:
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ring.consumer_release(release)
-                    release.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            ring.consumer_release(release)
-            release.advance()
-
-            if k_end < k_tiles:
-                # Not this tile's last k-iterations: hand the partial tile to its finisher.
-                store_partial(acc, partials[slot, None], 0, ctidx, consumer_threads)
-                publish_partial(flags, slot, ctidx, consumers_sync)
+            if u % turns != team:
+                # the other warpgroup's unit: its stages go by in the ring
+                read.advance(Int32(k_end - k_begin))
+                release.advance(Int32(k_end - k_begin))
             else:
-                if k_begin > 0:
-                    # Add the earlier k-iterations' partials, cluster by cluster in order (a
-                    # fixed order), each from the same rank of the owner cluster.
-                    for earlier in cutlass.range(owner(tile, plan), plan[0]):
-                        theirs = earlier * self.cluster_size + rank
-                        await_partial(flags, theirs, ctidx, consumers_sync)
-                        add_partial(acc, partials[theirs, None], 0, ctidx, consumer_threads)
-                m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
-                self._epilogue(r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, consumers_sync,
-                               stores, warp)
-                done += 1
+                if cutlass.const_expr(pingpong):
+                    if u > 0:
+                        my_turn.arrive_and_wait()
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                # Keep one k-tile of MMAs in flight: release a stage only once the MMAs that read
+                # it have retired (wait_group(1) after issuing the next one).
+                for k in cutlass.range(k_end - k_begin):
+                    ring.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, read.index)],
+                                  frag_b[(None, None, kb, read.index)], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read.advance()
+                    if k > 0:
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ring.consumer_release(release)
+                        release.advance()
+                if cutlass.const_expr(pingpong):
+                    if u + 1 < units:
+                        their_turn.arrive()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ring.consumer_release(release)
+                release.advance()
+
+                if k_end < k_tiles:
+                    # Not this tile's last k-iterations: hand the partial tile to its finisher.
+                    store_partial(acc, partials[slot, None], 0, thread, team_threads)
+                    publish_partial(flags, slot, thread, team_sync)
+                else:
+                    if k_begin > 0:
+                        # Add the earlier k-iterations' partials, cluster by cluster in order (a
+                        # fixed order), each from the same rank of the owner cluster.
+                        for earlier in cutlass.range(owner(tile, plan), plan[0]):
+                            theirs = earlier * self.cluster_size + rank
+                            await_partial(flags, theirs, thread, team_sync)
+                            add_partial(acc, partials[theirs, None], 0, thread, team_threads)
+                    m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
+                    self._epilogue(r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, team_sync,
+                                   stores, warp == 4 + 4 * team)
+                    done += 1
         stores.producer_tail()
 
     @cute.jit
-    def _epilogue(self, r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, sync, stores, warp):
-        """The finished tile (m, n), one epilogue piece at a time through `epilogue_stages`
-        shared-memory buffers (gemm.store_piece)."""
+    def _epilogue(self, r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, sync, stores,
+                  is_store_warp):
+        """The finished tile (m, n), one epilogue piece at a time through the team's
+        `epilogue_stages` shared-memory buffers (gemm.store_piece). Pieces go in row-major
+        order, which is the order of the retiled accumulators (64-row blocks outermost)."""
         g_tile = cute.zipped_divide(g_c[(None, None, m, n, 0)], self.epi_tile)
         s_part, g_part = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
                                                           cute.group_modes(s_c, 0, 2), g_tile)
@@ -253,9 +286,9 @@ class Sm90Gemm:
         for p in cutlass.range_constexpr(pieces):
             for v in cutlass.range_constexpr(cute.size(piece)):
                 piece[v] = r2s_acc[p * cute.size(piece) + v]
-            buffer = (done * pieces + p) % self.tiling.epilogue_stages
+            buffer = team * self.tiling.epilogue_stages + (done * pieces + p) % self.tiling.epilogue_stages
             store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
-                        g_part[(None, piece_grid.get_hier_coord(p))], sync, stores, warp == 4)
+                        g_part[(None, piece_grid.get_hier_coord(p))], sync, stores, is_store_warp)
 
 
 def tma_load_op(peers: int):
@@ -277,8 +310,10 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_m=64), True, True, "bfloat16"),
     (GemmTiling(), True, False, "float32"),
+    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16"),
 ))
-# Warpgroup MMAs fed by TMA loads, TMA-store epilogue, no spills; the stream-K ready flags are
-# integer atomics, never float ones (partials are added in a fixed order). Hopper only: sm_100a
-# has no warpgroup MMA; its twin (tcgen05) is a separate build.
-AUDIT_EXPECTS = {"sm_90a": {"require": ["HGMMA", "UTMALDG", "UTMASTG"], "forbid": ["LOCAL", "ATOM/RED.FLOAT"]}}
+# Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
+# spills; the stream-K ready flags are integer atomics, never float ones (partials are added in
+# a fixed order). Hopper only: sm_100a has no warpgroup MMA; its twin (tcgen05) is a separate build.
+AUDIT_EXPECTS = {"sm_90a": {"require": ["HGMMA", "UTMALDG", "UTMASTG"],
+                            "forbid": ["LOCAL", "ATOM/RED.FLOAT", "HGMMA.SERIAL"]}}

@@ -23,6 +23,9 @@ class GemmTiling:
     # Persistent tile order: tiles go out in groups of `group_m` tile rows, walking M inside a
     # group, so CTAs working at the same time share B panels and a few A panels in L2.
     group_m: int = 8
+    # Hopper: the two consumer warpgroups take whole tiles in turn ("pingpong"), so one's
+    # epilogue runs under the other's MMAs; off, both work one tile together ("cooperative").
+    pingpong: bool = False
 
     def check_sm90(self) -> None:
         """Raise ValueError unless a Hopper warpgroup-MMA kernel can use this tiling."""
@@ -31,6 +34,10 @@ class GemmTiling:
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256] on sm_90a, got {self.tile_n}")
         self._check_k_cluster_order(max_cluster=4)
+        if self.pingpong and (self.tile_m not in (64, 128) or self.tile_m * self.tile_n > 128 * 128):
+            # one warpgroup holds the whole fp32 tile: at most 128 accumulator registers a thread
+            raise ValueError(f"pingpong takes tiles of 64 or 128 rows and at most 128 x 128 elements, "
+                             f"got {self.tile_m}x{self.tile_n}")
         if self.mainloop_stages(SM90_SMEM_BYTES) < 2:
             raise ValueError(f"tile {self.tile_m}x{self.tile_n}x{self.tile_k} leaves no room for two stages")
 
@@ -40,6 +47,9 @@ class GemmTiling:
             raise ValueError(f"tile_m must be 64 or 128 on sm_100a (a 2-CTA pair makes 256), got {self.tile_m}")
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 32 in [32, 256] on sm_100a, got {self.tile_n}")
+        if self.pingpong:
+            raise ValueError("pingpong is a Hopper (warpgroup MMA) schedule; sm_100a overlaps epilogues "
+                             "through its two tensor-memory accumulators")
         self._check_k_cluster_order(max_cluster=8)
 
     def _check_k_cluster_order(self, max_cluster: int) -> None:
@@ -62,18 +72,29 @@ class GemmTiling:
 
     @property
     def mma_warpgroups(self) -> int:
-        """Consumer warpgroups: one per 64 rows of the tile (a warpgroup MMA is 64 rows tall)."""
-        return self.tile_m // 64
+        """Consumer warpgroups: one per 64 rows of the tile (a warpgroup MMA is 64 rows tall),
+        or two taking whole tiles in turn (pingpong)."""
+        return 2 if self.pingpong else self.tile_m // 64
+
+    @property
+    def tile_warpgroups(self) -> int:
+        """Consumer warpgroups working on one tile."""
+        return 1 if self.pingpong else self.mma_warpgroups
 
     def epilogue_tile(self) -> tuple[int, int]:
-        """The piece of C staged through shared memory per TMA store."""
-        return (min(self.tile_m, 128), min(self.tile_n, 32))
+        """The piece of C staged through shared memory per TMA store: the rows the tile's
+        warpgroups cover in one store (64 each), 32 columns."""
+        return (min(self.tile_m, 64 * self.tile_warpgroups, 128), min(self.tile_n, 32))
+
+    def epilogue_buffers(self) -> int:
+        """Shared-memory staging buffers of C: `epilogue_stages` for each team storing on its own."""
+        return self.epilogue_stages * (2 if self.pingpong else 1)
 
     def mainloop_stages(self, smem_bytes: int, c_bytes: int = 2) -> int:
         """As many A+B stages as fit next to the epilogue's staging buffers."""
         stage = (self.tile_m + self.tile_n) * self.tile_k * 2
         epilogue_m, epilogue_n = self.epilogue_tile()
-        return (smem_bytes - self.epilogue_stages * epilogue_m * epilogue_n * c_bytes) // stage
+        return (smem_bytes - self.epilogue_buffers() * epilogue_m * epilogue_n * c_bytes) // stage
 
 
 def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):

@@ -76,6 +76,28 @@ def test_count_instructions_parses_predicated_lines():
     assert families == {"LDG.128": 1, "STG.16": 1, "HGMMA": 1}
 
 
+def test_serialized_warpgroup_mmas_are_counted():
+    """ptxas's serialized form (wait for zero pending MMAs, then the next MMA) against the
+    pipelined one (wait for at most one pending, or zero only after the last MMA)."""
+    serialized = """
+        /*1190*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR16].tnspB, R88, gsb0 ;
+        /*11a0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*11b0*/                   WARPGROUP.ARRIVE ;
+        /*11c0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20].tnspB, R24, gsb0 ;
+        /*11d0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*11e0*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR16].tnspB, R88, gsb0 ;
+    """
+    pipelined = """
+        /*1190*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR16].tnspB, R88 ;
+        /*11a0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20].tnspB, R24, gsb0 ;
+        /*11b0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*11c0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*11d0*/                   LOP3.LUT P0, RZ, R0, 0x1e, RZ, 0xc0, !PT ;
+    """
+    assert audit.count_instructions(serialized)[1]["HGMMA.SERIAL"] == 2
+    assert "HGMMA.SERIAL" not in audit.count_instructions(pipelined)[1]
+
+
 def _ptx_entry(name: str, directives: str = "", body: str = "") -> str:
     return f""".visible .entry {name}(
 	.param .u64 .ptr .global .align 16 {name}_param_0,

@@ -19,11 +19,16 @@ def test_grouped_order_walks_m_inside_a_group():
 
 
 def test_sm90_tiling_checks():
-    for tiling in (GemmTiling(), GemmTiling(tile_n=256), GemmTiling(tile_m=64, tile_n=64)):
+    for tiling in (GemmTiling(), GemmTiling(tile_n=256), GemmTiling(tile_m=64, tile_n=64),
+                   GemmTiling(pingpong=True, cluster_m=2), GemmTiling(tile_m=64, tile_n=256, pingpong=True)):
         tiling.check_sm90()
-    for bad in (GemmTiling(tile_m=96), GemmTiling(tile_n=264), GemmTiling(tile_k=32), GemmTiling(cluster_m=3)):
+    for bad in (GemmTiling(tile_m=96), GemmTiling(tile_n=264), GemmTiling(tile_k=32), GemmTiling(cluster_m=3),
+                GemmTiling(tile_n=256, pingpong=True), GemmTiling(tile_m=256, tile_n=64, pingpong=True)):
         with pytest.raises(ValueError):
             bad.check_sm90()
+    pingpong = GemmTiling(pingpong=True)
+    assert (pingpong.mma_warpgroups, pingpong.tile_warpgroups, pingpong.epilogue_tile()) == (2, 1, (64, 32))
+    assert (GemmTiling().mma_warpgroups, GemmTiling().tile_warpgroups, GemmTiling().epilogue_tile()) == (2, 2, (128, 32))
 
 
 def test_default_tiling_is_valid_for_the_layer_products():
@@ -49,10 +54,11 @@ def _reference(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_view,b_view", [("k", "n"), ("m", "n"), ("k", "k")])
 @pytest.mark.parametrize("m,n,k", [(128, 128, 64), (296, 520, 64), (1000, 776, 1000), (2048, 5120, 512)])
-@pytest.mark.parametrize("cluster", [(1, 1), (2, 1)])
-def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster):
+@pytest.mark.parametrize("cluster,pingpong", [((1, 1), False), ((2, 1), False), ((1, 1), True), ((2, 1), True)])
+def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster, pingpong):
     """Sizes that are not tile multiples (TMA bounds), K = 64 (one k-tile), both operand
-    majors; extents stay multiples of 8 because TMA needs 16-byte strides."""
+    majors, cooperative and pingpong consumers; extents stay multiples of 8 because TMA needs
+    16-byte strides."""
     from cutebwd.kernels.gemm import matmul_nt
 
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
@@ -61,8 +67,8 @@ def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster):
     b = torch.randn(n, k, device="cuda", generator=g).bfloat16() if b_view == "k" else \
         torch.randn(k, n, device="cuda", generator=g).bfloat16().t()
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    matmul_nt(a, b, out=out, tiling=dataclasses.replace(default_tiling(m, n, k), cluster_m=cluster[0],
-                                                        cluster_n=cluster[1]))
+    tiling = GemmTiling(pingpong=True) if pingpong else default_tiling(m, n, k)
+    matmul_nt(a, b, out=out, tiling=dataclasses.replace(tiling, cluster_m=cluster[0], cluster_n=cluster[1]))
     ref = _reference(a, b)
     assert not out.isnan().any()
     assert torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref) < 1e-2
@@ -137,9 +143,11 @@ def test_stream_k_schedule_covers_every_k_iteration_once(tiles, k_tiles, ctas):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_n,cluster", [(128, (1, 1)), (256, (1, 1)), (256, (2, 1)), (128, (1, 2))])
+@pytest.mark.parametrize("tile_m,tile_n,cluster,pingpong", [
+    (128, 128, (1, 1), False), (128, 256, (1, 1), False), (128, 256, (2, 1), False), (128, 128, (1, 2), False),
+    (128, 128, (1, 1), True), (64, 256, (2, 1), True)])
 @pytest.mark.parametrize("m,n,k", [(512, 5120, 1024), (128, 1280, 4096), (1000, 776, 1000), (2048, 640, 512)])
-def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_n, cluster):
+def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_m, tile_n, cluster, pingpong):
     """Stream-K forced on (ragged last waves cut into k-iterations), with and without clusters
     (multicast loads; odd tile counts leave a CTA of a cluster past the edge): right against
     fp32, and the same bits call to call."""
@@ -147,7 +155,7 @@ def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_n, cluster):
     from cutebwd.layouts.gemm import GemmTiling
 
     a, b = _operands(m, n, k, seed=m + n)
-    tiling = GemmTiling(tile_m=128, tile_n=tile_n, cluster_m=cluster[0], cluster_n=cluster[1])
+    tiling = GemmTiling(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster[0], cluster_n=cluster[1], pingpong=pingpong)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     matmul_nt(a, b, out=out, tiling=tiling, stream_k=True)
     ref = _reference(a, b)
@@ -183,7 +191,8 @@ def test_stream_k_under_graph_replay_and_side_streams():
 def test_sm100_tiling_checks():
     for tiling in (GemmTiling(), GemmTiling(tile_n=256, cluster_m=2), GemmTiling(tile_m=64, tile_n=128)):
         tiling.check_sm100()
-    for bad in (GemmTiling(tile_m=256), GemmTiling(tile_n=48), GemmTiling(tile_k=32), GemmTiling(cluster_m=16)):
+    for bad in (GemmTiling(tile_m=256), GemmTiling(tile_n=48), GemmTiling(tile_k=32), GemmTiling(cluster_m=16),
+                GemmTiling(pingpong=True)):
         with pytest.raises(ValueError):
             bad.check_sm100()
     assert GemmTiling(cluster_m=2).two_cta_mma and not GemmTiling(tile_m=64, cluster_m=2).two_cta_mma

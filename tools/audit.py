@@ -30,7 +30,11 @@ from cutebwd.kernels.runtime import ARCHES
 # integer counter's ATOMG.E.ADD.STRONG.GPU or REDG.E.ADD.S32.STRONG.GPU.
 FAMILIES = ("HGMMA", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM", "STTM", "LDG.128", "LDG.64",
             "LDG.32", "LDG.16", "LDG.8", "STG.128", "STG.64", "STG.32", "STG.16", "STG.8",
-            "LDGSTS", "LDS", "STS", "SHFL", "ATOM/RED", "ATOM/RED.FLOAT", "LOCAL")
+            "LDGSTS", "LDS", "STS", "SHFL", "ATOM/RED", "ATOM/RED.FLOAT", "LOCAL", "HGMMA.SERIAL")
+# HGMMA.SERIAL counts warpgroup-MMA waits for zero pending MMAs right before the next MMA
+# (WARPGROUP.DEPBAR.LE gsb0, 0x0 then WARPGROUP.ARRIVE / HGMMA): ptxas serializes the MMAs
+# that way when it cannot prove their registers safe (its C7520 "Potential Performance Loss"
+# note, e.g. MMAs under a branch it takes for divergent), which halves a warpgroup's rate.
 
 # Hardware limits (CUDA C++ Programming Guide, technical specifications for compute capability
 # 9.0 and 10.0). A build over one of them compiles here and fails at launch on the GPU.
@@ -106,10 +110,21 @@ def is_float_atomic(opcode: str) -> bool:
     return family_of(opcode) == "ATOM/RED" and any(_FLOAT_TYPE.match(p) for p in opcode.split(".")[1:])
 
 
+def serialized_mma_waits(sass: str) -> int:
+    """How many `WARPGROUP.DEPBAR.LE gsb0, 0x0` are followed at once by another warpgroup MMA."""
+    listing = [(m.group(1), sass[m.end():sass.find("\n", m.end())]) for m in _INSTRUCTION.finditer(sass)]
+    return sum(1 for (opcode, operands), (following, _) in zip(listing, listing[1:])
+               if opcode == "WARPGROUP.DEPBAR.LE" and operands.replace(" ", "").startswith("gsb0,0x0")
+               and (following == "WARPGROUP.ARRIVE" or following.startswith("HGMMA")))
+
+
 def count_instructions(sass: str):
     """(opcode counts, family counts) of an nvdisasm listing."""
     opcodes = collections.Counter(m.group(1) for m in _INSTRUCTION.finditer(sass))
     families = collections.Counter()
+    serial = serialized_mma_waits(sass)
+    if serial:
+        families["HGMMA.SERIAL"] = serial
     for opcode, n in opcodes.items():
         family = family_of(opcode)
         if family:
