@@ -278,7 +278,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k):
     if arch not in _ARCH_MODULES:
         raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
-    chosen = tiling or default_tiling(m, n, k)
+    chosen = tiling or default_tiling(m, n, k, arch)
     key = (chosen, a_k_major, b_k_major, c_dtype, a.device.index)
     if key not in _compiled:
         import importlib

@@ -9,9 +9,10 @@ Structure (warp-specialized, persistent, one CTA per SM):
   `stages`-deep shared-memory ring (PipelineTmaAsync: full/empty mbarriers), and gives most
   of its registers to the consumers (setmaxnreg). In a 2 x 1 (or 1 x 2) cluster each CTA
   loads half of the shared operand tile and multicasts it to its peer;
-- warpgroups 1.. are consumers: warpgroup MMAs (64 rows each) from shared memory into fp32
-  registers, then the epilogue: registers -> C type -> shared memory (stmatrix) -> TMA store,
-  one epilogue piece at a time. Cooperative: all consumers work each tile together.
+- warpgroups 1 and 2 are consumers (1 alone for 64-row tiles): warpgroup MMAs (64-row blocks)
+  from shared memory into fp32 registers, then the epilogue: registers -> C type -> shared
+  memory (stmatrix) -> TMA store, one epilogue piece at a time. Cooperative: both work each
+  tile together (a 256-row tile gives each two 64-row blocks).
   Pingpong (`tiling.pingpong`): two consumer warpgroups take whole tiles in turn, each with
   its own staging buffers and store warp; a warpgroup starts a tile's MMAs only once the other
   has issued all of its previous tile's, so the tensor cores alternate between them and one's
@@ -310,7 +311,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_m=64), True, True, "bfloat16"),
     (GemmTiling(), True, False, "float32"),
-    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16"),
+    (GemmTiling(tile_n=160, pingpong=True, cluster_m=2), True, False, "bfloat16"),
+    (GemmTiling(tile_m=256, tile_n=160), True, False, "bfloat16"),
 ))
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
 # spills; the stream-K ready flags are integer atomics, never float ones (partials are added in

@@ -10,6 +10,10 @@ import dataclasses
 
 SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
 SM100_SMEM_BYTES = SM90_SMEM_BYTES  # B200: the same 227 KB per CTA
+WARPGROUP_THREADS = 128
+# Hopper: fp32 accumulators a consumer thread may hold; the rest of its 232 registers (setmaxnreg)
+# go to addresses, the epilogue's pieces and the stream-K hand-over.
+MAX_ACCUMULATORS = 160
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +38,10 @@ class GemmTiling:
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256] on sm_90a, got {self.tile_n}")
         self._check_k_cluster_order(max_cluster=4)
-        if self.pingpong and (self.tile_m not in (64, 128) or self.tile_m * self.tile_n > 128 * 128):
-            # one warpgroup holds the whole fp32 tile: at most 128 accumulator registers a thread
-            raise ValueError(f"pingpong takes tiles of 64 or 128 rows and at most 128 x 128 elements, "
-                             f"got {self.tile_m}x{self.tile_n}")
+        accumulators = self.tile_m * self.tile_n // (WARPGROUP_THREADS * self.tile_warpgroups)
+        if accumulators > MAX_ACCUMULATORS:
+            raise ValueError(f"tile {self.tile_m}x{self.tile_n}{' (pingpong)' if self.pingpong else ''} needs "
+                             f"{accumulators} fp32 accumulator registers a thread; at most {MAX_ACCUMULATORS} fit")
         if self.mainloop_stages(SM90_SMEM_BYTES) < 2:
             raise ValueError(f"tile {self.tile_m}x{self.tile_n}x{self.tile_k} leaves no room for two stages")
 
@@ -72,9 +76,9 @@ class GemmTiling:
 
     @property
     def mma_warpgroups(self) -> int:
-        """Consumer warpgroups: one per 64 rows of the tile (a warpgroup MMA is 64 rows tall),
-        or two taking whole tiles in turn (pingpong)."""
-        return 2 if self.pingpong else self.tile_m // 64
+        """Consumer warpgroups: two (a warpgroup MMA is 64 rows tall; a 256-row tile gives each
+        warpgroup two 64-row blocks), one for a 64-row cooperative tile."""
+        return 1 if self.tile_m == 64 and not self.pingpong else 2
 
     @property
     def tile_warpgroups(self) -> int:
@@ -84,7 +88,7 @@ class GemmTiling:
     def epilogue_tile(self) -> tuple[int, int]:
         """The piece of C staged through shared memory per TMA store: the rows the tile's
         warpgroups cover in one store (64 each), 32 columns."""
-        return (min(self.tile_m, 64 * self.tile_warpgroups, 128), min(self.tile_n, 32))
+        return (64 * self.tile_warpgroups, min(self.tile_n, 32))
 
     def epilogue_buffers(self) -> int:
         """Shared-memory staging buffers of C: `epilogue_stages` for each team storing on its own."""
@@ -107,23 +111,32 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
     return first_m + within % rows, within // rows
 
 
-def default_tiling(m: int, n: int, k: int) -> GemmTiling:
+def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a") -> GemmTiling:
     """The tiling for a product until the tuner's table exists: rules read off two sweeps of
     the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within ~10% of
     that product's best of the tilings tried.
     - M <= 128 (input gradients of a short batch, memory-bound on the weight): 128 x 64, or
       128 x 128 from N >= 8192;
+    - one wave of 256 x 160 tiles (110 to 132 of them, the H200's SM count; dX T=8192 of
+      1536 x 640): those, with no ragged wave to cut up;
     - C of at most ~1M elements (the 1536 x 640 products): 64 x 128 tiles, many of them;
-    - K <= 128 (weight gradients of a short batch): 128 x 256, the store-bound case;
-    - otherwise 2 x 1 clusters (B multicast): 128 x 256 tiles where there are many of them
-      (>= 800, or >= 300 with K >= 2048 to amortize each tile's fill and epilogue), else
-      128 x 128 (finer tiles, a shorter ragged wave)."""
+    - pingpong 128 x 160 tiles in 2 x 1 clusters where 160 divides N and M <= 1024 (fewer
+      tiles: the short-M products of N = 5120 fit one wave), or 128 x 128 where K <= 2048
+      (few k-tiles, so each tile's epilogue is a large share): one warpgroup's epilogue runs
+      under the other's MMAs (sm_100a: the same tiles cooperative; its two tensor-memory
+      accumulators overlap epilogues);
+    - otherwise cooperative in 2 x 1 clusters (B multicast): 128 x 256 tiles where there are
+      many of them (>= 800, or >= 300 with K >= 2048 to amortize each tile's fill and
+      epilogue), else 128 x 128 (finer tiles, a shorter ragged wave)."""
     if m <= 128:
         return GemmTiling(tile_m=128, tile_n=128 if n >= 8192 else 64)
+    if 110 <= -(-m // 256) * -(-n // 160) <= 132 and arch == "sm_90a":
+        return GemmTiling(tile_m=256, tile_n=160)
     if m * n <= 1536 * 640 and m < 4096:
         return GemmTiling(tile_m=64, tile_n=128)
-    if k <= 128:
-        return GemmTiling(tile_m=128, tile_n=256)
+    if m <= 1024 and n % 160 == 0 or k <= 2048:
+        return GemmTiling(tile_m=128, tile_n=160 if m <= 1024 and n % 160 == 0 else 128, cluster_m=2,
+                          pingpong=arch == "sm_90a")
     wide_tiles = -(-m // 128) * -(-n // 256)
     if wide_tiles >= 800 or wide_tiles >= 300 and k >= 2048:
         return GemmTiling(tile_m=128, tile_n=256, cluster_m=2)

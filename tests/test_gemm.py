@@ -23,17 +23,21 @@ def test_sm90_tiling_checks():
                    GemmTiling(pingpong=True, cluster_m=2), GemmTiling(tile_m=64, tile_n=256, pingpong=True)):
         tiling.check_sm90()
     for bad in (GemmTiling(tile_m=96), GemmTiling(tile_n=264), GemmTiling(tile_k=32), GemmTiling(cluster_m=3),
-                GemmTiling(tile_n=256, pingpong=True), GemmTiling(tile_m=256, tile_n=64, pingpong=True)):
+                GemmTiling(tile_n=256, pingpong=True), GemmTiling(tile_m=256, tile_n=256),
+                GemmTiling(tile_m=256, tile_n=128, pingpong=True)):
         with pytest.raises(ValueError):
             bad.check_sm90()
     pingpong = GemmTiling(pingpong=True)
     assert (pingpong.mma_warpgroups, pingpong.tile_warpgroups, pingpong.epilogue_tile()) == (2, 1, (64, 32))
-    assert (GemmTiling().mma_warpgroups, GemmTiling().tile_warpgroups, GemmTiling().epilogue_tile()) == (2, 2, (128, 32))
+    for tiling, shape in ((GemmTiling(), (2, 2, (128, 32))), (GemmTiling(tile_m=256, tile_n=160), (2, 2, (128, 32))),
+                          (GemmTiling(tile_m=64), (1, 1, (64, 32)))):
+        assert (tiling.mma_warpgroups, tiling.tile_warpgroups, tiling.epilogue_tile()) == shape
 
 
 def test_default_tiling_is_valid_for_the_layer_products():
-    for m, n, k in ((128, 5120, 5120), (8192, 14336, 5120), (5120, 5120, 8192), (640, 1536, 8192)):
+    for m, n, k in ((128, 5120, 5120), (8192, 14336, 5120), (5120, 5120, 8192), (640, 1536, 8192), (8192, 640, 1536)):
         default_tiling(m, n, k).check_sm90()
+        default_tiling(m, n, k, "sm_100a").check_sm100()
 
 
 @pytest.mark.parametrize("a,b,error", [
@@ -54,11 +58,11 @@ def _reference(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_view,b_view", [("k", "n"), ("m", "n"), ("k", "k")])
 @pytest.mark.parametrize("m,n,k", [(128, 128, 64), (296, 520, 64), (1000, 776, 1000), (2048, 5120, 512)])
-@pytest.mark.parametrize("cluster,pingpong", [((1, 1), False), ((2, 1), False), ((1, 1), True), ((2, 1), True)])
-def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster, pingpong):
+@pytest.mark.parametrize("variant", ["default", "cluster 2x1", "pingpong", "pingpong, cluster 2x1", "256x160"])
+def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, variant):
     """Sizes that are not tile multiples (TMA bounds), K = 64 (one k-tile), both operand
-    majors, cooperative and pingpong consumers; extents stay multiples of 8 because TMA needs
-    16-byte strides."""
+    majors, cooperative and pingpong consumers, 256-row tiles (two 64-row blocks a warpgroup);
+    extents stay multiples of 8 because TMA needs 16-byte strides."""
     from cutebwd.kernels.gemm import matmul_nt
 
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
@@ -67,8 +71,10 @@ def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, cluster, pingpong):
     b = torch.randn(n, k, device="cuda", generator=g).bfloat16() if b_view == "k" else \
         torch.randn(k, n, device="cuda", generator=g).bfloat16().t()
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tiling = GemmTiling(pingpong=True) if pingpong else default_tiling(m, n, k)
-    matmul_nt(a, b, out=out, tiling=dataclasses.replace(tiling, cluster_m=cluster[0], cluster_n=cluster[1]))
+    tiling = {"default": default_tiling(m, n, k), "cluster 2x1": dataclasses.replace(default_tiling(m, n, k), cluster_m=2),
+              "pingpong": GemmTiling(pingpong=True), "pingpong, cluster 2x1": GemmTiling(pingpong=True, cluster_m=2),
+              "256x160": GemmTiling(tile_m=256, tile_n=160)}[variant]
+    matmul_nt(a, b, out=out, tiling=tiling)
     ref = _reference(a, b)
     assert not out.isnan().any()
     assert torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref) < 1e-2
@@ -145,7 +151,7 @@ def test_stream_k_schedule_covers_every_k_iteration_once(tiles, k_tiles, ctas):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_m,tile_n,cluster,pingpong", [
     (128, 128, (1, 1), False), (128, 256, (1, 1), False), (128, 256, (2, 1), False), (128, 128, (1, 2), False),
-    (128, 128, (1, 1), True), (64, 256, (2, 1), True)])
+    (128, 128, (1, 1), True), (64, 256, (2, 1), True), (256, 160, (1, 1), False)])
 @pytest.mark.parametrize("m,n,k", [(512, 5120, 1024), (128, 1280, 4096), (1000, 776, 1000), (2048, 640, 512)])
 def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_m, tile_n, cluster, pingpong):
     """Stream-K forced on (ragged last waves cut into k-iterations), with and without clusters
@@ -200,14 +206,14 @@ def test_sm100_tiling_checks():
 
 
 def _bar_tilings():
-    """Every (tiling, A K-major?, B K-major?) the default rules pick for the issue-5 products."""
+    """Every (tiling, A K-major?, B K-major?) the default rules pick for the issue-5 products on sm_100a."""
     from cutebwd.tools.bench_gemm import TOKENS, WIDTHS
 
     picked = set()
     for t in TOKENS:
         for out_features, in_features in WIDTHS:
-            picked.add((default_tiling(t, in_features, out_features), True, False))  # dX = dY . W
-            picked.add((default_tiling(out_features, in_features, t), False, False))  # dW = dY^T . X
+            picked.add((default_tiling(t, in_features, out_features, "sm_100a"), True, False))  # dX = dY . W
+            picked.add((default_tiling(out_features, in_features, t, "sm_100a"), False, False))  # dW = dY^T . X
     return sorted(picked, key=str)
 
 
