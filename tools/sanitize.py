@@ -1,0 +1,122 @@
+"""Every kernel once on small inputs under NVIDIA compute-sanitizer: memcheck (out-of-bounds,
+misaligned and leaked accesses) and racecheck (shared-memory hazards), one process per tool.
+Each case also checks its outputs against the reference (tools.parity), so a run that
+sanitizes clean but computes wrong numbers still fails.
+
+    python -m cutebwd.tools.sanitize [--tools memcheck,racecheck] [--only SUBSTRING]
+
+Exit status 1 when a tool reports an error or a case fails. Needs a GPU and compute-sanitizer
+on PATH (or under CUDA_HOME/bin).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from cutebwd.tools.timing import have_gpu, progress
+
+TOOLS = ("memcheck", "racecheck")
+
+
+def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, **tiling):
+    def run():
+        from cutebwd.kernels.gemm import matmul_nt
+        from cutebwd.layouts.gemm import GemmTiling
+        from cutebwd.tools.parity import assert_parity
+
+        g = torch.Generator(device="cuda").manual_seed(m + n + k)
+        a = torch.randn(m, k, device="cuda", generator=g).bfloat16() if a_k_major else \
+            torch.randn(k, m, device="cuda", generator=g).bfloat16().t()
+        b = torch.randn(k, n, device="cuda", generator=g).bfloat16().t()
+        c_dtype = torch.float32 if fp32_c else torch.bfloat16
+        out = matmul_nt(a, b, out_dtype=c_dtype, tiling=GemmTiling(**tiling) if tiling else None, stream_k=stream_k)
+        assert_parity(["c"], [out], [a.float() @ b.float().t()], [c_dtype])
+    return run
+
+
+def _problem_case(problem, batch, seq, *, without_normalized=False, **options):
+    """check_problem of the op named like the problem; `without_normalized`: 013 with None."""
+    def run():
+        import cutebwd
+        from cutebwd.references import PROBLEMS
+        from cutebwd.tools.parity import check_problem
+
+        op = kernel = getattr(cutebwd, problem)
+        if without_normalized:
+            kernel = lambda grad_output, x, normalized, rstd, weight, out: op(grad_output, x, None, rstd, weight,
+                                                                             out=out)
+        check_problem(PROBLEMS[problem], kernel, batch, seq, **options)
+    return run
+
+
+# Small enough to finish under racecheck in seconds, large enough to take every code path:
+# ragged tiles, clusters, pingpong, stream-K hand-over, 256-row tiles, fp32 C; 013 with and
+# without `normalized` (None: a second case); 087 with duplicated ids and int32 ids.
+CASES = {
+    "gemm default": _gemm_case(1000, 776, 1000),
+    "gemm M-major A, cluster 2x1": _gemm_case(520, 264, 200, a_k_major=False, tile_m=128, tile_n=128, cluster_m=2),
+    "gemm pingpong, cluster 2x1, stream-K": _gemm_case(1000, 776, 1000, stream_k=True, tile_m=128, tile_n=128,
+                                                       cluster_m=2, pingpong=True),
+    "gemm 256x160": _gemm_case(600, 400, 320, tile_m=256, tile_n=160),
+    "gemm fp32 C, stream-K": _gemm_case(300, 200, 1000, stream_k=True, fp32_c=True),
+    "013": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),
+    "013 normalized=None": _problem_case("fused_residual_rmsnorm_backward", 3, 50, without_normalized=True,
+                                         consistent=True),
+    "087": _problem_case("embedding_rmsnorm_backward", 2, 300, dims={"vocab": 97, "hidden": 2560},
+                         kernel_options={"vocab_size": 97}),
+    "087 int32 ids, vocabulary of 17": _problem_case("embedding_rmsnorm_backward", 1, 64,
+                                                     dims={"vocab": 17, "hidden": 1000},
+                                                     kernel_options={"vocab_size": 17}, ids_dtype=torch.int32),
+}
+
+
+def run_cases(only: str) -> None:
+    for name, case in CASES.items():
+        if only in name:
+            progress(f"sanitize: {name}")
+            case()
+            torch.cuda.synchronize()
+
+
+def find_sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    path = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "compute-sanitizer")
+    return path if os.path.exists(path) else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # the process under a tool
+    args = parser.parse_args(argv)
+    if args.inside:
+        run_cases(args.only)
+        return 0
+    if not have_gpu("sanitize"):
+        return 0
+    sanitizer = find_sanitizer()
+    if not sanitizer:
+        progress("sanitize: compute-sanitizer not found (PATH, CUDA_HOME/bin)")
+        return 1
+    failed = []
+    for tool in args.tools.split(","):
+        progress(f"sanitize: --tool {tool}")
+        command = [sanitizer, "--tool", tool, "--error-exitcode", "1", sys.executable, "-m",
+                   "cutebwd.tools.sanitize", "--inside", "--only", args.only]
+        if subprocess.run(command).returncode:
+            failed.append(tool)
+    print("compute-sanitizer:", ", ".join(f"{t} {'FAILED' if t in failed else 'clean'}"
+                                         for t in args.tools.split(",")))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
