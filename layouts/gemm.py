@@ -11,9 +11,11 @@ import dataclasses
 SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
 SM100_SMEM_BYTES = SM90_SMEM_BYTES  # B200: the same 227 KB per CTA
 WARPGROUP_THREADS = 128
-# Hopper: fp32 accumulators a consumer thread may hold; the rest of its 232 registers (setmaxnreg)
-# go to addresses, the epilogue's pieces and the stream-K hand-over.
-MAX_ACCUMULATORS = 160
+# Hopper: fp32 accumulators a consumer thread may hold (cooperative, pingpong); the rest of its
+# 232 registers (setmaxnreg) go to addresses, the epilogue's pieces and the stream-K hand-over.
+# Pingpong keeps more state live across its loop (turns, skipped stages): at 160, ptxas spilled
+# two addresses (the audit's LOCAL check), so it stops at 128.
+MAX_ACCUMULATORS = {False: 160, True: 128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +41,10 @@ class GemmTiling:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256] on sm_90a, got {self.tile_n}")
         self._check_k_cluster_order(max_cluster=4)
         accumulators = self.tile_m * self.tile_n // (WARPGROUP_THREADS * self.tile_warpgroups)
-        if accumulators > MAX_ACCUMULATORS:
+        most = MAX_ACCUMULATORS[self.pingpong]
+        if accumulators > most:
             raise ValueError(f"tile {self.tile_m}x{self.tile_n}{' (pingpong)' if self.pingpong else ''} needs "
-                             f"{accumulators} fp32 accumulator registers a thread; at most {MAX_ACCUMULATORS} fit")
+                             f"{accumulators} fp32 accumulator registers a thread; at most {most} fit")
         if self.mainloop_stages(SM90_SMEM_BYTES) < 2:
             raise ValueError(f"tile {self.tile_m}x{self.tile_n}x{self.tile_k} leaves no room for two stages")
 
@@ -120,11 +123,12 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a") -> GemmTiling:
     - one wave of 256 x 160 tiles (110 to 132 of them, the H200's SM count; dX T=8192 of
       1536 x 640): those, with no ragged wave to cut up;
     - C of at most ~1M elements (the 1536 x 640 products): 64 x 128 tiles, many of them;
-    - pingpong 128 x 160 tiles in 2 x 1 clusters where 160 divides N and M <= 1024 (fewer
-      tiles: the short-M products of N = 5120 fit one wave), or 128 x 128 where K <= 2048
-      (few k-tiles, so each tile's epilogue is a large share): one warpgroup's epilogue runs
-      under the other's MMAs (sm_100a: the same tiles cooperative; its two tensor-memory
-      accumulators overlap epilogues);
+    - 128 x 160 tiles in 2 x 1 clusters where 160 divides N and M <= 1024 (fewer tiles: the
+      short-M products of N = 5120 fit one wave, one tile a CTA);
+    - pingpong 128 x 128 tiles in 2 x 1 clusters where K <= 2048 (few k-tiles, so each tile's
+      epilogue is a large share): one warpgroup's epilogue runs under the other's MMAs
+      (sm_100a: the same tiles cooperative; its two tensor-memory accumulators overlap
+      epilogues);
     - otherwise cooperative in 2 x 1 clusters (B multicast): 128 x 256 tiles where there are
       many of them (>= 800, or >= 300 with K >= 2048 to amortize each tile's fill and
       epilogue), else 128 x 128 (finer tiles, a shorter ragged wave)."""
@@ -134,9 +138,10 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a") -> GemmTiling:
         return GemmTiling(tile_m=256, tile_n=160)
     if m * n <= 1536 * 640 and m < 4096:
         return GemmTiling(tile_m=64, tile_n=128)
-    if m <= 1024 and n % 160 == 0 or k <= 2048:
-        return GemmTiling(tile_m=128, tile_n=160 if m <= 1024 and n % 160 == 0 else 128, cluster_m=2,
-                          pingpong=arch == "sm_90a")
+    if m <= 1024 and n % 160 == 0:
+        return GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
+    if k <= 2048:
+        return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=arch == "sm_90a")
     wide_tiles = -(-m // 128) * -(-n // 256)
     if wide_tiles >= 800 or wide_tiles >= 300 and k >= 2048:
         return GemmTiling(tile_m=128, tile_n=256, cluster_m=2)

@@ -24,7 +24,7 @@ def test_sm90_tiling_checks():
         tiling.check_sm90()
     for bad in (GemmTiling(tile_m=96), GemmTiling(tile_n=264), GemmTiling(tile_k=32), GemmTiling(cluster_m=3),
                 GemmTiling(tile_n=256, pingpong=True), GemmTiling(tile_m=256, tile_n=256),
-                GemmTiling(tile_m=256, tile_n=128, pingpong=True)):
+                GemmTiling(tile_m=256, tile_n=128, pingpong=True), GemmTiling(tile_n=160, pingpong=True)):
         with pytest.raises(ValueError):
             bad.check_sm90()
     pingpong = GemmTiling(pingpong=True)
@@ -205,30 +205,34 @@ def test_sm100_tiling_checks():
     assert not GemmTiling().two_cta_mma
 
 
-def _bar_tilings():
-    """Every (tiling, A K-major?, B K-major?) the default rules pick for the issue-5 products on sm_100a."""
+def _bar_tilings(arch):
+    """Every (tiling, A K-major?, B K-major?) the default rules pick on `arch` for the issue-5 products."""
     from cutebwd.tools.bench_gemm import TOKENS, WIDTHS
 
     picked = set()
     for t in TOKENS:
         for out_features, in_features in WIDTHS:
-            picked.add((default_tiling(t, in_features, out_features, "sm_100a"), True, False))  # dX = dY . W
-            picked.add((default_tiling(out_features, in_features, t, "sm_100a"), False, False))  # dW = dY^T . X
-    return sorted(picked, key=str)
+            picked.add((default_tiling(t, in_features, out_features, arch), True, False))  # dX = dY . W
+            picked.add((default_tiling(out_features, in_features, t, arch), False, False))  # dW = dY^T . X
+    return [(arch, *case) for case in sorted(picked, key=str)]
 
 
-@pytest.mark.parametrize("tiling,a_k_major,b_k_major", _bar_tilings(), ids=str)
-def test_blackwell_twin_compiles_every_tiling_the_rules_pick(tiling, a_k_major, b_k_major):
-    """No Blackwell GPU here: what the sm_100a dispatch would run must compile, hold tcgen05
-    MMAs and tensor-memory loads, and fit a B200 (registers, shared and tensor memory,
-    cluster). The shared host wrapper picks the same tilings on both arches."""
-    from cutebwd.kernels import gemm_sm100
+@pytest.mark.parametrize("arch,tiling,a_k_major,b_k_major", _bar_tilings("sm_90a") + _bar_tilings("sm_100a"), ids=str)
+def test_every_tiling_the_rules_pick_compiles_and_passes_the_audit(arch, tiling, a_k_major, b_k_major):
+    """What the dispatch would run on each arch compiles, holds the instructions its main loop
+    declares (sm_90a: pipelined warpgroup MMAs; sm_100a: tcgen05 MMAs and tensor-memory loads)
+    and fits the hardware (registers, shared and tensor memory, cluster). No Blackwell GPU is
+    here, so for sm_100a this is all the evidence there is."""
+    import importlib
+
+    from cutebwd.kernels import gemm
     from cutebwd.tools import audit
 
-    result = audit.audit_build(lambda arch, dump_dir: gemm_sm100.build(
-        tiling, a_k_major, b_k_major, "bfloat16", arch, dump_dir), "sm_100a", audit.find_nvdisasm())
-    result.update(kernel=str(tiling), arch="sm_100a")
-    assert not audit.build_problems(result, gemm_sm100.AUDIT_EXPECTS)
+    module = importlib.import_module(gemm._ARCH_MODULES[arch], "cutebwd.kernels")
+    result = audit.audit_build(lambda arch, dump_dir: module.build(tiling, a_k_major, b_k_major, "bfloat16", arch,
+                                                                   dump_dir), arch, audit.find_nvdisasm())
+    result.update(kernel=str(tiling), arch=arch)
+    assert not audit.build_problems(result, module.AUDIT_EXPECTS)
 
 
 def test_one_host_wrapper_for_both_arches():
