@@ -14,6 +14,8 @@ implementation for both:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
@@ -240,14 +242,12 @@ class _Call:
     """What one shape needs per call, resolved on its first call."""
 
     def __init__(self, run, max_clusters: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k):
-        # The schedule deals out cluster tiles to clusters (one CTA per SM, at most one cluster
-        # per tile, no more clusters than can be resident at once: a cluster that waits for a
-        # free GPC would run its whole share after everyone else). Measured: letting stream-K
-        # spread few tiles over more clusters (split-K style) made the short-M and long-K
-        # products slower, not faster (gemm-notes.md).
+        # The schedule deals out cluster tiles to clusters (one CTA per SM, no more clusters
+        # than can be resident at once: a cluster that waits for a free GPC would run its whole
+        # share after everyone else), at most one cluster per tile unless tiling.split_k.
         size = tiling.cluster_m * tiling.cluster_n
         tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n))
-        clusters = max(1, min(max_clusters, tiles))  # an empty C never launches
+        clusters = max(1, max_clusters if tiling.split_k else min(max_clusters, tiles))  # an empty C never launches
         self.run, self.ctas = run, clusters * size
         if stream_k is False:
             self.dp_tiles, self.per = tiles, 0
@@ -279,12 +279,13 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k):
         raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
     chosen = tiling or default_tiling(m, n, k, arch)
-    key = (chosen, a_k_major, b_k_major, c_dtype, a.device.index)
+    kernel_tiling = dataclasses.replace(chosen, split_k=False)  # split_k is the host's schedule alone
+    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index)
     if key not in _compiled:
         import importlib
 
         module = importlib.import_module(_ARCH_MODULES[arch], __package__)
-        _compiled[key] = (runtime.ffi_function(module.build(chosen, a_k_major, b_k_major, c_dtype, arch)),
+        _compiled[key] = (runtime.ffi_function(module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch)),
                           _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k)

@@ -29,6 +29,10 @@ class GemmTiling:
     # Persistent tile order: tiles go out in groups of `group_m` tile rows, walking M inside a
     # group, so CTAs working at the same time share B panels and a few A panels in L2.
     group_m: int = 8
+    # Fewer tiles than SMs: deal their k-iterations out over every SM (split-K, through the
+    # stream-K hand-over) instead of one CTA per tile. A host-side schedule choice: the
+    # kernel is the same.
+    split_k: bool = False
     # Hopper: the two consumer warpgroups take whole tiles in turn ("pingpong"), so one's
     # epilogue runs under the other's MMAs; off, both work one tile together ("cooperative").
     pingpong: bool = False

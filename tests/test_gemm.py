@@ -172,6 +172,28 @@ def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_m, tile_n, cluster, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,tiling", [(128, 1280, 4096, GemmTiling(tile_n=256, split_k=True)),
+                                          (200, 5120, 5120, GemmTiling(tile_n=256, cluster_m=2, split_k=True)),
+                                          (128, 640, 1536, GemmTiling(pingpong=True, split_k=True))])
+def test_split_k_spreads_few_tiles_over_every_sm(m, n, k, tiling):
+    """Fewer tiles than SMs, their k-iterations dealt out over every SM: right against fp32,
+    the same bits call to call, and the same kernel as without split_k (one compile)."""
+    from cutebwd.kernels import gemm
+
+    a, b = _operands(m, n, k, seed=k)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    compiled = len(gemm._compiled)
+    gemm.matmul_nt(a, b, out=out, tiling=dataclasses.replace(tiling, split_k=False))
+    gemm.matmul_nt(a, b, out=out, tiling=tiling)
+    assert len(gemm._compiled) <= compiled + 1
+    ref = _reference(a, b)
+    assert not out.isnan().any()
+    assert torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref) < 1e-2
+    for _ in range(4):
+        assert torch.equal(gemm.matmul_nt(a, b, tiling=tiling), out)
+
+
+@pytest.mark.gpu
 def test_stream_k_under_graph_replay_and_side_streams():
     from cutebwd.kernels.gemm import matmul_nt
 
