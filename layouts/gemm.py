@@ -124,8 +124,8 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a") -> GemmTiling:
     that product's best of the tilings tried.
     - M <= 128 (input gradients of a short batch, memory-bound on the weight): 128 x 64, or
       128 x 128 from N >= 8192;
-    - one wave of 256 x 160 tiles (110 to 132 of them, the H200's SM count; dX T=8192 of
-      1536 x 640): those, with no ragged wave to cut up;
+    - sm_90a, one wave of 256 x 160 tiles (110 to 132 of them, the H200's SM count; dX T=8192
+      of 1536 x 640): those, with no ragged wave to cut up (sm_100a CTA tiles stop at 128 rows);
     - C of at most ~1M elements (the 1536 x 640 products): 64 x 128 tiles, many of them;
     - 128 x 160 tiles in 2 x 1 clusters where 160 divides N and M <= 1024 (fewer tiles: the
       short-M products of N = 5120 fit one wave, one tile a CTA);
@@ -134,7 +134,7 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a") -> GemmTiling:
       (sm_100a: the same tiles cooperative; its two tensor-memory accumulators overlap
       epilogues);
     - otherwise cooperative in 2 x 1 clusters (B multicast): 128 x 256 tiles where there are
-      many of them (>= 800, or >= 300 with K >= 2048 to amortize each tile's fill and
+      many of them (>= 800, or >= 300 with K > 2048 to amortize each tile's fill and
       epilogue), else 128 x 128 (finer tiles, a shorter ragged wave)."""
     if m <= 128:
         return GemmTiling(tile_m=128, tile_n=128 if n >= 8192 else 64)

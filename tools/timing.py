@@ -25,10 +25,10 @@ def progress(message: str) -> None:
 
 
 def have_gpu(tool: str) -> bool:
-    """True with a CUDA GPU; otherwise say that `tool` has nothing to time here."""
+    """True with a CUDA GPU; otherwise say that `tool` has nothing to run here."""
     if torch.cuda.is_available():
         return True
-    progress(f"{tool}: no CUDA GPU here; nothing to time")
+    progress(f"{tool}: no CUDA GPU here; nothing to run")
     return False
 
 
