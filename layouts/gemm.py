@@ -7,6 +7,7 @@ architecture's MMA instructions; each arch module checks what it can run.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
 SM100_SMEM_BYTES = SM90_SMEM_BYTES  # B200: the same 227 KB per CTA
@@ -16,6 +17,9 @@ WARPGROUP_THREADS = 128
 # Pingpong keeps more state live across its loop (turns, skipped stages): at 160, ptxas spilled
 # two addresses (the audit's LOCAL check), so it stops at 128.
 MAX_ACCUMULATORS = {False: 160, True: 128}
+
+
+_SPEC = re.compile(r"(\d+)x(\d+)(?:c(\d+)x(\d+))?(p)?(s)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,22 @@ class GemmTiling:
     # Hopper: the two consumer warpgroups take whole tiles in turn ("pingpong"), so one's
     # epilogue runs under the other's MMAs; off, both work one tile together ("cooperative").
     pingpong: bool = False
+
+    @property
+    def spec(self) -> str:
+        """Short name: '128x256c2x1' (tile, cluster), then 'p' for pingpong, 's' for split_k;
+        the other fields at their defaults. `from_spec` reads it back."""
+        cluster = f"c{self.cluster_m}x{self.cluster_n}" if (self.cluster_m, self.cluster_n) != (1, 1) else ""
+        return f"{self.tile_m}x{self.tile_n}{cluster}{'p' if self.pingpong else ''}{'s' if self.split_k else ''}"
+
+    @classmethod
+    def from_spec(cls, text: str) -> "GemmTiling":
+        match = _SPEC.fullmatch(text.strip())
+        if not match:
+            raise ValueError(f"a tiling spec is TILE_MxTILE_N[cCLUSTER_MxCLUSTER_N][p][s], e.g. 128x128c2x1p; got {text!r}")
+        tile_m, tile_n, cluster_m, cluster_n, pingpong, split_k = match.groups()
+        return cls(tile_m=int(tile_m), tile_n=int(tile_n), cluster_m=int(cluster_m or 1), cluster_n=int(cluster_n or 1),
+                   pingpong=bool(pingpong), split_k=bool(split_k))
 
     def check_sm90(self) -> None:
         """Raise ValueError unless a Hopper warpgroup-MMA kernel can use this tiling."""

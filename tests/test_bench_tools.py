@@ -34,3 +34,50 @@ def test_gemm_summary_is_over_the_layer_products():
     summary = bench_gemm.summarize(rows)
     assert summary["products"] == 2 and abs(summary["geomean_ratio"] - 1.0) < 1e-12 and summary["max_ratio"] == 2.0
     assert "geometric mean 1.000" in bench_gemm.format_table(rows, summary)
+
+
+def test_gemm_sweep_summarizes_each_tiling():
+    from cutebwd.tools import bench_gemm
+
+    rows = [{"name": n, "ratio": 1.0, "graph_ratio": 1.0, "ok": True, "flops": 1e9, "ours_us": 10.0,
+             "cublas_us": 10.0, "ours_graph_us": 5.0, "cublas_graph_us": 5.0,
+             "tilings": {"128x128c2x1p": {"ratio": r, "graph_ratio": r}}}
+            for n, r in (("dX T=128 5120x5120", 0.5), ("dW T=128 5120x5120", 0.5))]
+    summary = bench_gemm.summarize(rows)
+    assert abs(summary["tilings"]["128x128c2x1p"]["geomean_ratio"] - 0.5) < 1e-12
+    table = bench_gemm.format_table(rows, summary)
+    assert "128x128c2x1p" in table and "0.50/ 0.50" in table
+
+
+def test_tiling_specs_read_back():
+    import pytest
+
+    from cutebwd.layouts.gemm import GemmTiling
+
+    for tiling in (GemmTiling(), GemmTiling(tile_n=256, cluster_m=2), GemmTiling(pingpong=True, cluster_m=2),
+                   GemmTiling(tile_m=256, tile_n=160), GemmTiling(tile_n=64, cluster_n=2, split_k=True)):
+        assert GemmTiling.from_spec(tiling.spec) == tiling
+    assert GemmTiling.from_spec("128x128c2x1p").pingpong
+    with pytest.raises(ValueError, match="tiling spec"):
+        GemmTiling.from_spec("128by128")
+
+
+def test_gemm_bench_product_times_every_tiling_in_turns(monkeypatch):
+    """bench_product's bookkeeping on the CPU: the GEMM and the timers are stand-ins."""
+    import torch
+
+    from cutebwd.kernels import gemm
+    from cutebwd.layouts.gemm import GemmTiling
+    from cutebwd.tools import bench_gemm
+
+    called = []
+    monkeypatch.setattr(gemm, "matmul_nt", lambda a, b, tiling=None: called.append(tiling) or (a.float() @ b.float().t()))
+    monkeypatch.setattr(timing, "time_ms", lambda fn, args: (fn(), 0.010)[1])
+    monkeypatch.setattr(timing, "graph_time_ms", lambda fn, args: (fn(), 0.004)[1])
+    a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    row = bench_gemm.bench_product("dX T=64 32x48", (a, b), (a, b.t()), 2 * 64 * 32 * 48, lambda line: None,
+                                   [GemmTiling(pingpong=True)])
+    assert row["ok"] and row["relative_error"] < 1e-2
+    assert set(row["tilings"]) == {"128x128p"} and row["tilings"]["128x128p"]["graph_ratio"] == 1.0
+    # checked once, then timed per call and in graph replay in each round
+    assert called.count(None) == called.count(GemmTiling(pingpong=True)) == 1 + 2 * bench_gemm.ROUNDS
