@@ -63,10 +63,8 @@ def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool,
 
 def audit_builds(family: str, build, cases):
     """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
-    K-major?, C dtype)."""
-    return {f"{family}[{t.tile_m}x{t.tile_n}{',pingpong' if t.pingpong else ''},cluster {t.cluster_m}x{t.cluster_n},"
-            f"A {'K' if ak else 'M'}-major,"
-            f"B {'K' if bk else 'N'}-major,C {c}]":
+    K-major?, C dtype); a tiling is named by its `spec`, as bench_gemm names it."""
+    return {f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}]":
             (lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c: build(t, ak, bk, c, arch, dump_dir))
             for t, ak, bk, c in cases}
 

@@ -37,11 +37,10 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
-from ..layouts.gemm import SM90_SMEM_BYTES, GemmTiling
+from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
 from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
                    store_partial, store_piece, unit, with_unit_batch, work)
 
-WARPGROUP = 128
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 
@@ -269,7 +268,7 @@ class Sm90Gemm:
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
                     m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
                     self._epilogue(r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, team_sync,
-                                   stores, warp == 4 + 4 * team)
+                                   stores, warp == WARPGROUP // 32 * (1 + team))  # the team's first warp
                     done += 1
         stores.producer_tail()
 
