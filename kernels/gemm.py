@@ -239,7 +239,8 @@ MIN_ITERATIONS = 4  # k-iterations a stream-K share must have to be worth its pa
 class _Call:
     """What one shape needs per call, resolved on its first call."""
 
-    def __init__(self, run, max_clusters: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k):
+    def __init__(self, run, max_clusters: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k,
+                 out_dtype):
         # The schedule deals out cluster tiles to clusters (one CTA per SM, no more clusters
         # than can be resident at once: a cluster that waits for a free GPC would run its whole
         # share after everyone else), at most one cluster per tile unless tiling.split_k.
@@ -254,6 +255,11 @@ class _Call:
                                                     min_iterations=1 if stream_k else MIN_ITERATIONS)
         elements = tiling.tile_m * tiling.tile_n
         self.workspace = _StreamKWorkspace(self.ctas if self.per else 1, elements, device)
+        self.schedule = (self.ctas, self.dp_tiles, self.per)
+        # Without stream-K units the kernel never touches the workspace: one stand-in pair
+        # serves every stream and graph, and calls skip the per-stream lookup.
+        self.fixed_args = None if self.per else (*self.workspace._new(), *self.schedule)
+        self.out_dtype, self.device = out_dtype, device
 
 
 def _max_clusters(device, size: int) -> int:
@@ -270,6 +276,8 @@ def _max_clusters(device, size: int) -> int:
 
 def _resolve(a, b, out, tiling, c_dtype, stream_k):
     """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
+    import torch
+
     _check(a, b, out)
     (m, k), n = a.shape, b.shape[0]
     arch = runtime.device_arch(a.device.index)
@@ -286,7 +294,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k):
         _compiled[key] = (runtime.ffi_function(module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch)),
                           _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k] = _Call(
-        *_compiled[key], chosen, m, n, k, a.device, stream_k)
+        *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype))
     return call
 
 
@@ -316,13 +324,13 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         call = _resolve(a, b, out, tiling, c_dtype, stream_k)
         (m, k), n = a.shape, b.shape[0]
     if out is None:
-        out = torch.empty((m, n), dtype=torch.float32 if c_dtype == "float32" else torch.bfloat16, device=a.device)
+        out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
     try:
-        call.run(a, b, out, *call.workspace.get(), call.ctas, call.dp_tiles, call.per)
+        call.run(a, b, out, *(call.fixed_args or (*call.workspace.get(), *call.schedule)))
     except Exception:
         _check(a, b, out)  # say which argument and why, in our words
         raise

@@ -216,6 +216,33 @@ def test_stream_k_under_graph_replay_and_side_streams():
         assert torch.equal(out, want)
 
 
+def test_calls_without_stream_k_pass_one_fixed_workspace():
+    """A shape with no stream-K units hands the kernel one stand-in workspace (never read) with
+    no per-stream lookup; one with stream-K units keeps its per-stream workspace. The kernel
+    launch is replaced by a recorder: this is the host path alone, on the CPU."""
+    from cutebwd.kernels import gemm
+
+    seen = []
+    cpu = torch.device("cpu")
+    whole_waves = gemm._Call(lambda *args: seen.append(args), 64, GemmTiling(), 1024, 1024, 512, cpu, None,
+                             torch.bfloat16)
+    assert whole_waves.per == 0 and whole_waves.fixed_args[2:] == (64, 64, 0)
+    ragged = gemm._Call(None, 10, GemmTiling(), 1000, 776, 1000, cpu, None, torch.bfloat16)
+    assert ragged.per and ragged.fixed_args is None
+    a, b = torch.zeros(1024, 512, dtype=torch.bfloat16), torch.zeros(1024, 512, dtype=torch.bfloat16)
+    key = (1024, 1024, 512, True, True, "bfloat16", a.get_device(), None, None)
+    gemm._calls[key] = whole_waves
+    try:
+        for _ in range(2):
+            out = gemm.matmul_nt(a, b)
+            assert out.dtype == torch.bfloat16 and out.shape == (1024, 1024)
+    finally:
+        del gemm._calls[key]
+    partials, flags, *schedule = whole_waves.fixed_args
+    assert len(seen) == 2
+    assert all(args[3] is partials and args[4] is flags and list(args[5:]) == schedule for args in seen)
+
+
 def test_sm100_tiling_checks():
     for tiling in (GemmTiling(), GemmTiling(tile_n=256, cluster_m=2), GemmTiling(tile_m=64, tile_n=128)):
         tiling.check_sm100()
