@@ -61,8 +61,10 @@ class GemmTiling:
         """Raise ValueError unless a Hopper warpgroup-MMA kernel can use this tiling."""
         if self.tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256 on sm_90a, got {self.tile_m}")
-        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
-            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256] on sm_90a, got {self.tile_n}")
+        # A multiple of the epilogue's 32-column store pieces: the warpgroup MMA would take
+        # multiples of 16, but 64 x 80 tiles measured wrong results (a piece past the tile).
+        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 32 in [32, 256] on sm_90a, got {self.tile_n}")
         self._check_k_cluster_order(max_cluster=4)
         accumulators = self.tile_m * self.tile_n // (WARPGROUP_THREADS * self.tile_warpgroups)
         most = MAX_ACCUMULATORS[self.pingpong]
@@ -142,8 +144,9 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a") -> GemmTiling:
     """The tiling for a product until the tuner's table exists: rules read off two sweeps of
     the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within ~10% of
     that product's best of the tilings tried.
-    - M <= 128 (input gradients of a short batch, memory-bound on the weight): 128 x 64, or
-      128 x 128 from N >= 8192;
+    - M <= 128 (input gradients of a short batch, memory-bound on the weight): 128 x 128 from
+      N >= 8192; else, for M > 64, 64 x 128 tiles in 2 x 1 clusters (both 64-row halves, one
+      weight tile multicast to the pair: twice the CTAs pulling the weight), else 128 x 64;
     - sm_90a, one wave of 256 x 160 tiles (110 to 132 of them, the H200's SM count; dX T=8192
       of 1536 x 640): those, with no ragged wave to cut up (sm_100a CTA tiles stop at 128 rows);
     - C of at most ~1M elements (the 1536 x 640 products): 64 x 128 tiles, many of them;
@@ -156,8 +159,12 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a") -> GemmTiling:
     - otherwise cooperative in 2 x 1 clusters (B multicast): 128 x 256 tiles where there are
       many of them (>= 800, or >= 300 with K > 2048 to amortize each tile's fill and
       epilogue), else 128 x 128 (finer tiles, a shorter ragged wave)."""
-    if m <= 128:
-        return GemmTiling(tile_m=128, tile_n=128 if n >= 8192 else 64)
+    if m <= 128 and n >= 8192:
+        return GemmTiling(tile_m=128, tile_n=128)
+    if 64 < m <= 128:
+        return GemmTiling(tile_m=64, tile_n=128, cluster_m=2)
+    if m <= 64:
+        return GemmTiling(tile_m=128, tile_n=64)
     if 110 <= -(-m // 256) * -(-n // 160) <= 132 and arch == "sm_90a":
         return GemmTiling(tile_m=256, tile_n=160)
     if m * n <= 1536 * 640 and m < 4096:

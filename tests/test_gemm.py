@@ -24,7 +24,8 @@ def test_sm90_tiling_checks():
         tiling.check_sm90()
     for bad in (GemmTiling(tile_m=96), GemmTiling(tile_n=264), GemmTiling(tile_k=32), GemmTiling(cluster_m=3),
                 GemmTiling(tile_n=256, pingpong=True), GemmTiling(tile_m=256, tile_n=256),
-                GemmTiling(tile_m=256, tile_n=128, pingpong=True), GemmTiling(tile_n=160, pingpong=True)):
+                GemmTiling(tile_m=256, tile_n=128, pingpong=True), GemmTiling(tile_n=160, pingpong=True),
+                GemmTiling(tile_m=64, tile_n=80, cluster_m=2), GemmTiling(tile_n=16)):  # 64x80: wrong on the H200
         with pytest.raises(ValueError):
             bad.check_sm90()
     pingpong = GemmTiling(pingpong=True)
