@@ -234,6 +234,9 @@ _calls: dict = {}  # (M, N, K, a K-major?, b K-major?, C dtype, device, tiling a
 
 
 MIN_ITERATIONS = 4  # k-iterations a stream-K share must have to be worth its partial-tile traffic
+# Nor is stream-K worth it on short K, where a partial tile's hand-over costs a few k-tiles of MMAs:
+# measured on the H200 (gemm-notes step 18), it cost 3-12% at 8 and 20 k-tiles and paid from 32.
+MIN_K_TILES = 32
 
 
 class _Call:
@@ -248,10 +251,11 @@ class _Call:
         tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n))
         clusters = max(1, max_clusters if tiling.split_k else min(max_clusters, tiles))  # an empty C never launches
         self.run, self.ctas = run, clusters * size
-        if stream_k is False:
+        k_tiles = -(-k // tiling.tile_k)
+        if stream_k is False or stream_k is None and k_tiles < MIN_K_TILES:
             self.dp_tiles, self.per = tiles, 0
         else:
-            self.dp_tiles, self.per = stream_k_plan(tiles, -(-k // tiling.tile_k), clusters,
+            self.dp_tiles, self.per = stream_k_plan(tiles, k_tiles, clusters,
                                                     min_iterations=1 if stream_k else MIN_ITERATIONS)
         elements = tiling.tile_m * tiling.tile_n
         self.workspace = _StreamKWorkspace(self.ctas if self.per else 1, elements, device)
@@ -307,7 +311,7 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     linear layer is matmul_nt(dY, W.t()), the dW product matmul_nt(dY.t(), X.t()). M, N, K
     need not be tile multiples (TMA bounds the loads and stores). tiling: the tile shape
     (layouts.gemm.default_tiling by default). stream_k: None lets layouts.gemm.stream_k_plan
-    decide whether the ragged last wave is cut into k-iterations, True forces it wherever
+    decide whether the ragged last wave is cut into k-iterations (never below MIN_K_TILES), True forces it wherever
     the tiles do not fill whole waves, False never. The result is bitwise repeatable either way.
 
     Host cost after a shape's first call: one dict lookup and one TVM-FFI call (plus the

@@ -228,7 +228,7 @@ def test_calls_without_stream_k_pass_one_fixed_workspace():
     whole_waves = gemm._Call(lambda *args: seen.append(args), 64, GemmTiling(), 1024, 1024, 512, cpu, None,
                              torch.bfloat16)
     assert whole_waves.per == 0 and whole_waves.fixed_args[2:] == (64, 64, 0)
-    ragged = gemm._Call(None, 10, GemmTiling(), 1000, 776, 1000, cpu, None, torch.bfloat16)
+    ragged = gemm._Call(None, 10, GemmTiling(), 1000, 776, 4000, cpu, None, torch.bfloat16)
     assert ragged.per and ragged.fixed_args is None
     a, b = torch.zeros(1024, 512, dtype=torch.bfloat16), torch.zeros(1024, 512, dtype=torch.bfloat16)
     key = (1024, 1024, 512, True, True, "bfloat16", a.get_device(), None, None)
@@ -242,6 +242,18 @@ def test_calls_without_stream_k_pass_one_fixed_workspace():
     partials, flags, *schedule = whole_waves.fixed_args
     assert len(seen) == 2
     assert all(args[3] is partials and args[4] is flags and list(args[5:]) == schedule for args in seen)
+
+
+def test_stream_k_stays_off_on_short_k_unless_forced():
+    """Ragged waves go stream-K from MIN_K_TILES k-tiles up (below, the partial-tile hand-over
+    costs more than the balance gains); stream_k=True still forces it."""
+    from cutebwd.kernels import gemm
+
+    cpu, tiling = torch.device("cpu"), GemmTiling()
+    for k_tiles, forced, stream_k in ((gemm.MIN_K_TILES - 1, None, False), (gemm.MIN_K_TILES, None, True),
+                                      (8, True, True), (80, False, False)):
+        call = gemm._Call(None, 66, tiling, 2048, 1280 + 128, k_tiles * tiling.tile_k, cpu, forced, torch.bfloat16)
+        assert bool(call.per) == stream_k, (k_tiles, forced)
 
 
 def test_sm100_tiling_checks():
