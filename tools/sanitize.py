@@ -59,6 +59,7 @@ def _problem_case(problem, batch, seq, *, without_normalized=False, **options):
 # without `normalized` (None: a second case); 087 with duplicated ids and int32 ids.
 CASES = {
     "gemm default": _gemm_case(1000, 776, 1000),
+    "gemm M <= 128: 64x128, cluster 2x1": _gemm_case(100, 776, 1000),  # default_tiling's short-M rule
     "gemm M-major A, cluster 2x1": _gemm_case(520, 264, 200, a_k_major=False, tile_m=128, tile_n=128, cluster_m=2),
     "gemm pingpong, cluster 2x1, stream-K": _gemm_case(1000, 776, 1000, stream_k=True, tile_m=128, tile_n=128,
                                                        cluster_m=2, pingpong=True),
