@@ -274,7 +274,10 @@ def _max_clusters(device, size: int) -> int:
     if size == 1:
         return torch.cuda.get_device_properties(device).multi_processor_count
     with torch.cuda.device(device):
-        torch.cuda.synchronize()  # the driver query needs this thread's context current
+        # The driver query needs this thread's context current; a capturing stream proves it
+        # is (and must not be synchronized: a shape's first call may come inside a capture).
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
         return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
 
 

@@ -217,6 +217,29 @@ def test_stream_k_under_graph_replay_and_side_streams():
         assert torch.equal(out, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream_k,tile_n", [(None, 96), (True, 224)])
+def test_first_call_of_a_shape_inside_graph_capture(stream_k, tile_n):
+    """A shape and a tiling (2 x 1 clusters, used by no other test) met for the first time under
+    CUDA-graph capture, as torch.compile's CUDA graphs do: compile, cluster query and, with
+    stream-K units, the workspace all inside it."""
+    from cutebwd.kernels import gemm
+
+    m, n, k = (1064, 1288, 328) if stream_k is None else (2100, 1800, 2504)
+    a, b = _operands(m, n, k, seed=11)
+    tiling = GemmTiling(tile_m=128, tile_n=tile_n, cluster_m=2)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm.matmul_nt(a, b, out=out, tiling=tiling, stream_k=stream_k)
+    assert bool(gemm._calls[m, n, k, True, True, "bfloat16", a.get_device(), tiling, stream_k].per) == bool(stream_k)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = _reference(a, b)
+    assert torch.linalg.norm(out.float() - ref) / torch.linalg.norm(ref) < 1e-2
+
+
 def test_calls_without_stream_k_pass_one_fixed_workspace():
     """A shape with no stream-K units hands the kernel one stand-in workspace (never read) with
     no per-stream lookup; one with stream-K units keeps its per-stream workspace. The kernel
