@@ -80,6 +80,23 @@ def _ours_013_recompute(problem):
     return lambda go, x, normalized, rstd, weight: fused_residual_rmsnorm_backward(go, x, None, rstd, weight)
 
 
+@register("fused_residual_rmsnorm_backward", "cutebwd out=")
+def _ours_013_into(problem):
+    """The benchmark's destination-passing style: outputs allocated once per shape (NaN-poisoned,
+    so the checked first call must write every element), then written in place call after call."""
+    from cutebwd.kernels.rmsnorm_backward import fused_residual_rmsnorm_backward
+
+    outs = {}
+
+    def run(go, x, normalized, rstd, weight):
+        out = outs.get(x.shape)
+        if out is None:
+            out = outs[x.shape] = (torch.full_like(go, float("nan")), torch.full_like(go, float("nan")),
+                                   torch.full_like(weight, float("nan")))
+        return fused_residual_rmsnorm_backward(go, x, normalized, rstd, weight, out=out)
+    return run
+
+
 @register("embedding_rmsnorm_backward", "cutebwd")
 def _ours_087(problem):
     from cutebwd.kernels.embedding_backward import embedding_rmsnorm_backward
