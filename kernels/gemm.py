@@ -314,8 +314,9 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     linear layer is matmul_nt(dY, W.t()), the dW product matmul_nt(dY.t(), X.t()). M, N, K
     need not be tile multiples (TMA bounds the loads and stores). tiling: the tile shape
     (layouts.gemm.default_tiling by default). stream_k: None lets layouts.gemm.stream_k_plan
-    decide whether the ragged last wave is cut into k-iterations (never below MIN_K_TILES), True forces it wherever
-    the tiles do not fill whole waves, False never. The result is bitwise repeatable either way.
+    decide whether the ragged last wave is cut into k-iterations (never below MIN_K_TILES),
+    True forces it wherever the tiles do not fill whole waves, False never. The result is
+    bitwise repeatable either way.
 
     Host cost after a shape's first call: one dict lookup and one TVM-FFI call (plus the
     allocation without out=); the C entry point checks dtypes, shapes, strides and alignment.
