@@ -251,12 +251,12 @@ class _Call:
         tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n))
         clusters = max(1, max_clusters if tiling.split_k else min(max_clusters, tiles))  # an empty C never launches
         self.run, self.ctas = run, clusters * size
-        k_tiles = -(-k // tiling.tile_k)
-        if stream_k is False or stream_k is None and k_tiles < MIN_K_TILES:
+        if stream_k is False:
             self.dp_tiles, self.per = tiles, 0
-        else:
-            self.dp_tiles, self.per = stream_k_plan(tiles, k_tiles, clusters,
-                                                    min_iterations=1 if stream_k else MIN_ITERATIONS)
+        else:  # None: the plan's own thresholds; True: wherever the tiles leave a ragged wave
+            self.dp_tiles, self.per = stream_k_plan(tiles, -(-k // tiling.tile_k), clusters,
+                                                    min_iterations=1 if stream_k else MIN_ITERATIONS,
+                                                    min_k_tiles=1 if stream_k else MIN_K_TILES)
         elements = tiling.tile_m * tiling.tile_n
         self.workspace = _StreamKWorkspace(self.ctas if self.per else 1, elements, device)
         self.schedule = (self.ctas, self.dp_tiles, self.per)

@@ -207,13 +207,14 @@ def stream_k_segment(s, start, end, k_tiles, minimum=min, maximum=max):
     return tile, maximum(start - tile * k_tiles, 0), minimum(end - tile * k_tiles, k_tiles)
 
 
-def stream_k_plan(tiles: int, k_tiles: int, ctas: int, min_iterations: int = 4) -> tuple[int, int]:
+def stream_k_plan(tiles: int, k_tiles: int, ctas: int, min_iterations: int = 4,
+                  min_k_tiles: int = 1) -> tuple[int, int]:
     """(dp_tiles, per) for `tiles` output tiles of `k_tiles` k-iterations on `ctas` persistent
     CTAs. Whole waves stay data-parallel; a ragged last wave and one full wave before it (so
     each CTA's range spans at most two tiles) go stream-K, unless a CTA's share would be under
-    `min_iterations` k-iterations (fix-up traffic would outweigh the balance). per == 0: no
-    stream-K."""
-    if tiles % ctas == 0:
+    `min_iterations` k-iterations or a tile has fewer than `min_k_tiles` (fix-up traffic would
+    outweigh the balance). per == 0: no stream-K."""
+    if tiles % ctas == 0 or k_tiles < min_k_tiles:
         return tiles, 0
     sk_tiles = tiles % ctas + (ctas if tiles > ctas else 0)
     per = -(-sk_tiles * k_tiles // ctas)
