@@ -23,6 +23,7 @@ from cutlass import BFloat16, Float32, Int32
 from ..layouts.gemm import GemmTiling, default_tiling, stream_k_count, stream_k_plan, stream_k_range, \
     stream_k_segment, tile_coord
 from . import runtime
+from .epilogue import ADD, KINDS, STORE, Epilogue, check_epilogue_tensors
 from .rows import VECTOR, wide_copy  # a partial tile moves VECTOR fp32 accumulators per 16-byte access
 
 C_DTYPES = {"bfloat16": BFloat16, "float32": Float32}
@@ -33,10 +34,11 @@ def with_unit_batch(t):
     return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
 
 
-def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str):
-    """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per): M, N, K, the
-    strides and the stream-K split are runtime values, so every shape that picks a tiling
-    shares its build."""
+def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE):
+    """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, out1):
+    M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
+    tiling shares its build. in0, in1 (the epilogue's inputs) and out1 (its second output) are
+    bf16 [M, N] with unit column stride, or None where the epilogue has none."""
     c_type = C_DTYPES[c_dtype]
     m, n, k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -44,29 +46,40 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
         stride = (cute.sym_int64(divisibility=8), 1) if k_major else (1, cute.sym_int64(divisibility=8))
         return runtime.fake_tensor(BFloat16, (rows, k), stride, 16)
 
+    def mn_tensor():  # read and written element by element: any row stride, 2-byte aligned
+        return runtime.fake_tensor(BFloat16, (m, n), (cute.sym_int64(), 1), 2)
+
     c = runtime.fake_tensor(c_type, (m, n), (cute.sym_int64(divisibility=128 // c_type.width), 1), 16)
     slots, tile_elements = cute.sym_int32(), tiling.tile_m * tiling.tile_n
     partials = runtime.fake_tensor(Float32, (slots, tile_elements), (tile_elements, 1), 16)
     flags = runtime.fake_tensor(Int32, (slots,), (1,), 4)
+    inputs = [mn_tensor() for _ in epilogue.inputs] + [None] * (2 - len(epilogue.inputs))
+    out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
     return (operand(m, a_k_major), operand(n, b_k_major), c, partials, flags, Int32(132), Int32(0), Int32(0),
-            runtime.env_stream())
+            *inputs, out1, runtime.env_stream())
 
 
 def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
-                 arch: str, dump_dir=None):
-    """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype)."""
-    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype),
-                                  kernel_class(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype]),
-                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype), arch=arch,
+                 arch: str, dump_dir=None, epilogue: Epilogue = STORE):
+    """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype, epilogue)."""
+    if epilogue is not STORE and c_dtype != "bfloat16":
+        raise ValueError(f"the {epilogue.name!r} epilogue writes bf16 C, got {c_dtype}")
+    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue.name),
+                                  kernel_class(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
+                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue), arch=arch,
                                   dump_dir=dump_dir, tvm_ffi=True)
 
 
 def audit_builds(family: str, build, cases):
     """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
-    K-major?, C dtype); a tiling is named by its `spec`, as bench_gemm names it."""
-    return {f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}]":
-            (lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c: build(t, ak, bk, c, arch, dump_dir))
-            for t, ak, bk, c in cases}
+    K-major?, C dtype[, epilogue]); a tiling is named by its `spec`, as bench_gemm names it."""
+    builds = {}
+    for t, ak, bk, c, *rest in cases:
+        epilogue = rest[0] if rest else STORE
+        name = f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}" \
+               + ("]" if epilogue is STORE else f",epilogue {epilogue.name}]")
+        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue: build(t, ak, bk, c, arch, dump_dir, e)
+    return builds
 
 
 # -- device-side schedule ----------------------------------------------------------------
@@ -281,32 +294,38 @@ def _max_clusters(device, size: int) -> int:
         return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
 
 
-def _resolve(a, b, out, tiling, c_dtype, stream_k):
+def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), out2=None):
     """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
     import torch
 
     _check(a, b, out)
     (m, k), n = a.shape, b.shape[0]
+    if epilogue is not STORE:
+        check_epilogue_tensors(epilogue, inputs, out2, m, n, a.device)
+        if c_dtype != "bfloat16":
+            raise ValueError(f"out: the {epilogue.name!r} epilogue writes bf16, got {c_dtype}")
     arch = runtime.device_arch(a.device.index)
     if arch not in _ARCH_MODULES:
         raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
     chosen = tiling or default_tiling(m, n, k, arch)
     kernel_tiling = dataclasses.replace(chosen, split_k=False)  # split_k is the host's schedule alone
-    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index)
+    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index, epilogue.name)
     if key not in _compiled:
         import importlib
 
         module = importlib.import_module(_ARCH_MODULES[arch], __package__)
-        _compiled[key] = (runtime.ffi_function(module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch)),
-                          _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
-    call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k] = _Call(
+        build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, epilogue)
+        _compiled[key] = (runtime.ffi_function(build), _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
+    call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k, epilogue.name] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype))
     return call
 
 
-def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None, stream_k: bool | None = None):
-    """C[M, N] = A[M, K] . B[N, K]^T from bf16 operands with fp32 accumulation.
+def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None, stream_k: bool | None = None,
+              epilogue: str = "store", inputs=(), out2=None):
+    """C[M, N] = A[M, K] . B[N, K]^T from bf16 operands with fp32 accumulation, and what a fused
+    epilogue makes of it.
 
     a, b: bf16 CUDA tensors, read in place: either dimension may be the contiguous one, the
     other's stride a multiple of 8 elements, bases 16-byte aligned. out: bf16 or fp32 [M, N]
@@ -318,6 +337,10 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     True forces it wherever the tiles do not fill whole waves, False never. The result is
     bitwise repeatable either way.
 
+    epilogue (kernels.epilogue, bf16 out only): "store" (out = A . B^T); "add" (out += A . B^T,
+    out required); "dswiglu" (inputs=(gate, up), bf16 [M, N]: out = grad_gate, out2 = grad_up,
+    allocated when not given; returns (out, out2)).
+
     Host cost after a shape's first call: one dict lookup and one TVM-FFI call (plus the
     allocation without out=); the C entry point checks dtypes, shapes, strides and alignment.
     """
@@ -327,21 +350,46 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         else "bfloat16"
     try:
         (m, k), n = a.shape, b.shape[0]
-        call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k]
+        call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k, epilogue]
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-        call = _resolve(a, b, out, tiling, c_dtype, stream_k)
+        kind = KINDS.get(epilogue)
+        if kind is None:
+            raise ValueError(f"epilogue: one of {sorted(KINDS)}, got {epilogue!r}") from None
+        if kind is ADD and out is None:
+            raise ValueError("out: the 'add' epilogue adds into it, so it must be given")
+        if len(kind.outputs) > 1 and out2 is None and hasattr(a, "shape") and hasattr(b, "shape"):
+            out2 = torch.empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16, device=a.device)
+        call = _resolve(a, b, out, tiling, c_dtype, stream_k, kind, (out,) if kind is ADD else inputs, out2)
         (m, k), n = a.shape, b.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
+    if epilogue == "store":
+        extras = (None, None, None)
+    elif epilogue == "add":
+        extras = (out, None, None)
+    else:
+        if out2 is None:
+            out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
+        extras = (*inputs, out2)
     if m == 0 or n == 0:
-        return out
+        return out if out2 is None else (out, out2)
     if k == 0:
-        return out.zero_()
+        _empty_k(epilogue, out, out2)
+        return out if out2 is None else (out, out2)
     try:
-        call.run(a, b, out, *(call.fixed_args or (*call.workspace.get(), *call.schedule)))
+        call.run(a, b, out, *(call.fixed_args or (*call.workspace.get(), *call.schedule)), *extras)
     except Exception:
         _check(a, b, out)  # say which argument and why, in our words
+        if epilogue != "store":
+            kind = KINDS[epilogue]
+            check_epilogue_tensors(kind, (out,) if kind is ADD else inputs, out2, m, n, a.device)
         raise
-    return out
+    return out if out2 is None else (out, out2)
 
 
+def _empty_k(epilogue, out, out2):
+    """K = 0: the epilogue of a zero accumulator, with no kernel launched."""
+    if epilogue != "add":  # "add": out += 0
+        out.zero_()
+    if out2 is not None:
+        out2.zero_()

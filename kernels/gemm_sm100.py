@@ -27,6 +27,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
+from .epilogue import ADD, DSWIGLU, STORE, Epilogue, gather, in_bounds, scatter
 from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
                    store_partial, store_piece, unit, with_unit_batch, work)
 
@@ -40,9 +41,10 @@ EPILOGUE_SYNC, TMEM_ALLOC_SYNC = 1, 2
 
 
 class Sm100Gemm:
-    def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16):
+    def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
+                 epilogue: Epilogue = STORE):
         tiling.check_sm100()
-        self.tiling = tiling
+        self.tiling, self.epilogue = tiling, epilogue
         self.a_major = (LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.b_major = (LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -63,7 +65,8 @@ class Sm100Gemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor,
-                 ctas: Int32, dp_tiles: Int32, sk_per: Int32, stream: cuda.CUstream):
+                 ctas: Int32, dp_tiles: Int32, sk_per: Int32, in0: cute.Tensor | None, in1: cute.Tensor | None,
+                 out1: cute.Tensor | None, stream: cuda.CUstream):
         """The same arguments as the Hopper kernel (gemm.fake_arguments)."""
         t = self.tiling
         a, b, c = with_unit_batch(a), with_unit_batch(b), with_unit_batch(c)
@@ -106,7 +109,7 @@ class Sm100Gemm:
 
         self.storage, self.stages, self.tx_bytes, self.tmem_columns = Storage, stages, tx_bytes, tmem_columns
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
-                    accumulators.layout, partials, flags, (dp_tiles, sk_per)).launch(
+                    accumulators.layout, partials, flags, (dp_tiles, sk_per), in0, in1, out1).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1, stream=stream)  # one CTA per SM: registers need not be rationed
 
@@ -115,7 +118,7 @@ class Sm100Gemm:
                m_b: cute.Tensor, tma_c: cute.CopyAtom, m_c: cute.Tensor, cluster_vmnk: cute.Layout,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout,
                epi_tile: cute.Tile, accumulator_layout: cute.Layout, partials: cute.Tensor, flags: cute.Tensor,
-               schedule):
+               schedule, m_in0: cute.Tensor | None, m_in1: cute.Tensor | None, m_out1: cute.Tensor | None):
         t = self.tiling
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -166,6 +169,7 @@ class Sm100Gemm:
             cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b), 0, 3))
         frag_a, frag_b = tiled_mma.make_fragment_A(s_a), tiled_mma.make_fragment_B(s_b)
         c_of_cta = thr_mma.partition_C(g_c)  # this CTA's rows of every MMA tile of C
+        extra_tiles = self._extra_tiles(thr_mma, m_c, (m_in0, m_in1, m_out1))
         # Cluster tiles of the schedule, in MMA tiles: cluster_m / pair MMA tiles tall.
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m // self.pair)
         tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
@@ -222,13 +226,13 @@ class Sm100Gemm:
             tmem.wait_for_alloc()
             accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
             self._epilogue(tidx, tiled_mma, accumulators, accumulator_ready, s_c, c_of_cta, epi_tile, tma_c,
-                           schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp)
+                           schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp, extra_tiles)
             tmem.relinquish_alloc_permit()
             tmem.free(accumulators.iterator)
 
     @cute.jit
     def _epilogue(self, tidx, tiled_mma, accumulators, accumulator_ready, s_c, c_of_cta, epi_tile, tma_c, schedule,
-                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp):
+                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp, extra_tiles):
         """Epilogue warps: per unit, the accumulator buffer -> registers, one subtile at a time,
         then either to this CTA's partial-tile slot (stream-K, not the tile's last k-iterations)
         or, after adding the earlier partials in cluster order, through gemm.store_piece."""
@@ -278,6 +282,8 @@ class Sm100Gemm:
                     for earlier in cutlass.range(owner(tile, plan), plan[0]):
                         add_partial(values, partials[earlier * self.cluster_size + rank, None],
                                     s * vectors_per_subtile, tidx, EPILOGUE_THREADS)
+                    if cutlass.const_expr(extra_tiles is not None):
+                        self._fuse(values, thr_t2r, extra_tiles, epi_tile, m, n, s)
                     buffer = (done + s) % self.tiling.epilogue_stages
                     store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, tma_c,
                                 s_part[(None, buffer)], g_piece[(None, s)], sync, stores, warp == EPILOGUE_WARPS[0])
@@ -289,15 +295,45 @@ class Sm100Gemm:
             drained.advance()
         stores.producer_tail()
 
+    def _extra_tiles(self, thr_mma, m_c, extras):
+        """(coordinates, inputs, second output, [M, N]) partitioned like C (this CTA's rows of
+        each MMA tile) for the epilogue's element-wise reads and writes, or None for the plain
+        store."""
+        if cutlass.const_expr(self.epilogue is STORE):
+            return None
+        tile = cute.slice_(self.mma_tiler, (None, None, 0))
+        extent = m_c.shape  # (M, N, 1): the coordinates carry the unit batch mode too
+        of_cta = [thr_mma.partition_C(cute.local_tile(with_unit_batch(x), tile, (None, None, None)))
+                  if x is not None else None for x in extras]
+        coords = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(m_c.shape), tile, (None, None, None)))
+        return coords, of_cta[:len(self.epilogue.inputs)], of_cta[2], extent
+
+    @cute.jit
+    def _fuse(self, values, thr_t2r, extra_tiles, epi_tile, m, n, s):
+        """The epilogue's element-wise step on subtile `s` of tile (m, n): inputs gathered at the
+        elements this thread holds, the first output back into `values` (stored as C), a second
+        one scattered."""
+        coords, inputs, out1, extent = extra_tiles
+
+        def mine(of_cta):  # this thread's elements of the subtile, in `values`' order
+            subtiles = thr_t2r.partition_D(cute.flat_divide(of_cta[((None, None), 0, 0, None, None, None)], epi_tile))
+            return cute.group_modes(subtiles[(None, None, None, None, None, m, n, 0)], 3, 5)[(None, None, None, s)]
+
+        inside = in_bounds(mine(coords), extent)
+        outputs = self.epilogue.apply(values.load(), [gather(mine(x), inside) for x in inputs])
+        values.store(outputs[0])
+        if cutlass.const_expr(len(outputs) > 1):
+            scatter(outputs[1], mine(out1), inside)
+
     def _mma_tile(self, tile, tiles_m, tiles_n, coord_vmnk):
         """(m, n) MMA tile of this CTA for cluster tile `tile` (the pair of a 2-CTA MMA shares one)."""
         return cta_tile(self.tiling, tile, tiles_m, tiles_n, coord_vmnk[1], coord_vmnk[2], self.pair)
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",
-          dump_dir=None):
-    """One compiled kernel per (tiling, operand majors, C dtype); see gemm.fake_arguments."""
-    return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir)
+          dump_dir=None, epilogue: Epilogue = STORE):
+    """One compiled kernel per (tiling, operand majors, C dtype, epilogue); see gemm.fake_arguments."""
+    return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
@@ -307,6 +343,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(tile_m=128, tile_n=64), True, False, "bfloat16"),
     (GemmTiling(tile_m=64, tile_n=128), True, True, "bfloat16"),
     (GemmTiling(cluster_m=2), True, False, "float32"),
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
+    (GemmTiling(), True, False, "bfloat16", ADD),
 ))
 # tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read
 # back with LDTM, TMA-store epilogue, no spills, no float atomics. Blackwell only: sm_90a has

@@ -38,6 +38,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
+from .epilogue import ADD, DSWIGLU, STORE, Epilogue, gather, in_bounds, scatter
 from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
                    store_partial, store_piece, unit, with_unit_batch, work)
 
@@ -46,9 +47,10 @@ CONSUMER_REGISTERS = 232
 
 
 class Sm90Gemm:
-    def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16):
+    def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
+                 epilogue: Epilogue = STORE):
         tiling.check_sm90()
-        self.tiling = tiling
+        self.tiling, self.epilogue = tiling, epilogue
         self.a_layout = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -64,10 +66,12 @@ class Sm90Gemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor,
-                 ctas: Int32, dp_tiles: Int32, sk_per: Int32, stream: cuda.CUstream):
+                 ctas: Int32, dp_tiles: Int32, sk_per: Int32, in0: cute.Tensor | None, in1: cute.Tensor | None,
+                 out1: cute.Tensor | None, stream: cuda.CUstream):
         """`ctas` persistent CTAs; tiles past `dp_tiles` go stream-K, `sk_per` k-iterations per
         CTA (layouts.gemm.stream_k_plan), their partial tiles through `partials` [ctas, tile
-        elements] and the ready `flags` [ctas] (zero between calls)."""
+        elements] and the ready `flags` [ctas] (zero between calls). in0, in1, out1: the
+        epilogue's [M, N] inputs and second output (None where it has none)."""
         t = self.tiling
         a, b, c = with_unit_batch(a), with_unit_batch(b), with_unit_batch(c)
         tiled_mma = sm90.make_trivial_tiled_mma(
@@ -97,14 +101,15 @@ class Sm90Gemm:
         self.storage = Storage
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
+                    schedule, in0, in1, out1).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
                                      min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule):
+               flags: cute.Tensor, schedule, m_in0: cute.Tensor | None, m_in1: cute.Tensor | None,
+               m_out1: cute.Tensor | None):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -171,11 +176,23 @@ class Sm90Gemm:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles,
-                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp)
+                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp,
+                          self._extra_tiles(m_c, (m_in0, m_in1, m_out1)))
+
+    def _extra_tiles(self, m_c, extras):
+        """(coordinates, inputs, second output, [M, N]) tiled like C for the epilogue's
+        element-wise reads and writes, or None for the plain store."""
+        if cutlass.const_expr(self.epilogue is STORE):
+            return None
+        tile = (self.tiling.tile_m, self.tiling.tile_n)
+        extent = cute.select(m_c.shape, mode=[0, 1])
+        coords = cute.make_identity_tensor(extent)
+        tiled = [cute.local_tile(x, tile, (None, None)) if x is not None else None for x in extras]
+        return cute.local_tile(coords, tile, (None, None)), tiled[:len(self.epilogue.inputs)], tiled[2], extent
 
     @cute.jit
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles, tiles_m, tiles_n,
-                 cluster_coord, partials, flags, ctidx, warp):
+                 cluster_coord, partials, flags, ctidx, warp, extra_tiles):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
         stream-K units hand partial tiles on or gather them first. A team works each unit: all
         consumer warpgroups (cooperative), or one warpgroup, the two taking units in turn
@@ -267,14 +284,15 @@ class Sm90Gemm:
                             await_partial(flags, theirs, thread, team_sync)
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
                     m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
-                    self._epilogue(r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, team_sync,
-                                   stores, warp == WARPGROUP // 32 * (1 + team))  # the team's first warp
+                    self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team,
+                                   team_sync, stores, warp == WARPGROUP // 32 * (1 + team),  # the team's first warp
+                                   extra_tiles)
                     done += 1
         stores.producer_tail()
 
     @cute.jit
-    def _epilogue(self, r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, sync, stores,
-                  is_store_warp):
+    def _epilogue(self, r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, sync, stores,
+                  is_store_warp, extra_tiles):
         """The finished tile (m, n), one epilogue piece at a time through the team's
         `epilogue_stages` shared-memory buffers (gemm.store_piece). Pieces go in row-major
         order, which is the order of the retiled accumulators (64-row blocks outermost)."""
@@ -286,10 +304,28 @@ class Sm90Gemm:
         for p in cutlass.range_constexpr(pieces):
             for v in cutlass.range_constexpr(cute.size(piece)):
                 piece[v] = r2s_acc[p * cute.size(piece) + v]
+            if cutlass.const_expr(extra_tiles is not None):
+                self._fuse(piece, thr_r2s, extra_tiles, m, n, piece_grid.get_hier_coord(p))
             buffer = team * self.tiling.epilogue_stages + (done * pieces + p) % self.tiling.epilogue_stages
             store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
                         g_part[(None, piece_grid.get_hier_coord(p))], sync, stores, is_store_warp)
 
+
+    @cute.jit
+    def _fuse(self, piece, thr_r2s, extra_tiles, m, n, piece_coord):
+        """The epilogue's element-wise step on one piece: its inputs gathered at the elements this
+        thread holds, the first output back into `piece` (stored as C), a second one scattered."""
+        coords, inputs, out1, extent = extra_tiles
+
+        def mine(tiles):  # this thread's elements of the piece, in `piece`'s order
+            pieces = cute.flat_divide(tiles[(None, None, m, n)], self.epi_tile)
+            return thr_r2s.partition_S(pieces[(None, None, piece_coord[0], piece_coord[1])])
+
+        inside = in_bounds(mine(coords), extent)
+        outputs = self.epilogue.apply(piece.load(), [gather(mine(x), inside) for x in inputs])
+        piece.store(outputs[0])
+        if cutlass.const_expr(len(outputs) > 1):
+            scatter(outputs[1], mine(out1), inside)
 
 def tma_load_op(peers: int):
     """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
@@ -299,9 +335,9 @@ def tma_load_op(peers: int):
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_90a",
-          dump_dir=None):
-    """One compiled kernel per (tiling, operand majors, C dtype); see gemm.fake_arguments."""
-    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir)
+          dump_dir=None, epilogue: Epilogue = STORE):
+    """One compiled kernel per (tiling, operand majors, C dtype, epilogue); see gemm.fake_arguments."""
+    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
@@ -313,6 +349,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_m=256, tile_n=160), True, False, "bfloat16"),
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
+    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
 ))
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
 # spills; the stream-K ready flags are integer atomics, never float ones (partials are added in

@@ -232,7 +232,7 @@ def test_first_call_of_a_shape_inside_graph_capture(stream_k, tile_n):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gemm.matmul_nt(a, b, out=out, tiling=tiling, stream_k=stream_k)
-    assert bool(gemm._calls[m, n, k, True, True, "bfloat16", a.get_device(), tiling, stream_k].per) == bool(stream_k)
+    assert bool(gemm._calls[m, n, k, True, True, "bfloat16", a.get_device(), tiling, stream_k, "store"].per) == bool(stream_k)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -254,7 +254,7 @@ def test_calls_without_stream_k_pass_one_fixed_workspace():
     ragged = gemm._Call(None, 10, GemmTiling(), 1000, 776, 4000, cpu, None, torch.bfloat16)
     assert ragged.per and ragged.fixed_args is None
     a, b = torch.zeros(1024, 512, dtype=torch.bfloat16), torch.zeros(1024, 512, dtype=torch.bfloat16)
-    key = (1024, 1024, 512, True, True, "bfloat16", a.get_device(), None, None)
+    key = (1024, 1024, 512, True, True, "bfloat16", a.get_device(), None, None, "store")
     gemm._calls[key] = whole_waves
     try:
         for _ in range(2):
@@ -264,7 +264,8 @@ def test_calls_without_stream_k_pass_one_fixed_workspace():
         del gemm._calls[key]
     partials, flags, *schedule = whole_waves.fixed_args
     assert len(seen) == 2
-    assert all(args[3] is partials and args[4] is flags and list(args[5:]) == schedule for args in seen)
+    assert all(args[3] is partials and args[4] is flags and list(args[5:8]) == schedule and args[8:] == (None,) * 3
+               for args in seen)
 
 
 def test_stream_k_stays_off_on_short_k_unless_forced():

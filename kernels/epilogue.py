@@ -1,0 +1,106 @@
+"""Fused epilogues of the GEMM core (issue 7): what the finished fp32 accumulator tile becomes,
+element by element, on its way out, so no extra pass over memory is made.
+
+An `Epilogue` names the extra [M, N] bf16 tensors it reads at each element (`inputs`) and the
+[M, N] results it writes (`outputs`; the first leaves through C's TMA store, a second through
+direct stores from the threads' registers). Both arches' kernels walk the tile in epilogue
+pieces; per piece they `gather` the inputs at exactly the elements a thread holds, `apply` the
+epilogue in fp32 and `scatter` the second output. The gathers and scatters are predicated on the
+[M, N] bounds (tiles past the edge), so sizes need not be tile multiples.
+
+Kinds:
+- STORE: C = acc (the plain product);
+- ADD: C = acc + C (add into an existing output: C is read at each element before it is written);
+- DSWIGLU: from g_sw = acc with gate and up (056: silu on `up`),
+  grad_gate = g_sw * silu(up) and grad_up = g_sw * gate * sig(up) * (1 + up * (1 - sig(up))).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    name: str
+    inputs: tuple = ()  # names of the extra bf16 [M, N] tensors read at each element
+    outputs: tuple = ("c",)  # names of the results; the first is C
+
+    def apply(self, acc, ins):
+        """fp32 TensorSSA accumulators and inputs -> fp32 TensorSSA outputs (traced in the kernel)."""
+        return _APPLY[self.name](acc, *ins)
+
+
+def _store(acc):
+    return (acc,)
+
+
+def _add(acc, c):
+    return (acc + c,)
+
+
+def _dswiglu(g_sw, gate, up):
+    sig = 1.0 / (1.0 + cute.math.exp(-up, fastmath=True))
+    return g_sw * (up * sig), g_sw * gate * sig * (1.0 + up * (1.0 - sig))
+
+
+_APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu}
+STORE = Epilogue("store")
+ADD = Epilogue("add", inputs=("c",))
+DSWIGLU = Epilogue("dswiglu", inputs=("gate", "up"), outputs=("grad_gate", "grad_up"))
+KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU)}
+
+
+@cute.jit
+def in_bounds(coords, extent):
+    """Boolean fragment: which of a thread's elements (their (m, n) coordinates) lie inside `extent`."""
+    inside = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
+    for i in cutlass.range_constexpr(cute.size(inside)):
+        inside[i] = cute.elem_less(coords[i], extent)
+    return inside
+
+
+@cute.jit
+def gather(src, inside):
+    """A thread's elements of a bf16 [M, N] input (`src`, partitioned like its accumulators) as
+    fp32, zero where outside."""
+    staged = cute.make_rmem_tensor(src.shape, BFloat16)
+    staged.fill(0.0)
+    cute.basic_copy_if(inside, src, staged)
+    return staged.load().to(Float32)
+
+
+@cute.jit
+def scatter(values, dst, inside):
+    """Store fp32 TensorSSA `values` as bf16 into `dst` (partitioned like the accumulators), inside only."""
+    staged = cute.make_rmem_tensor(dst.shape, BFloat16)
+    staged.store(values.to(BFloat16))
+    cute.basic_copy_if(inside, staged, dst)
+
+
+def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, device):
+    """Host side: the epilogue's inputs and second output are bf16 [M, N], row-major with any
+    row stride, on the product's device."""
+    import torch
+
+    from .checks import check_same_device, check_tensor
+
+    if len(inputs) != len(epilogue.inputs):
+        raise ValueError(f"epilogue {epilogue.name!r} reads {len(epilogue.inputs)} inputs {epilogue.inputs}, "
+                         f"got {len(inputs)}")
+    named = dict(zip(epilogue.inputs, inputs))
+    if len(epilogue.outputs) > 1:
+        named[epilogue.outputs[1]] = out2
+    for name, t in named.items():
+        if t is None:
+            raise ValueError(f"{name}: the {epilogue.name!r} epilogue needs it")
+    for name, t in named.items():
+        check_tensor(name, t, dtypes=torch.bfloat16, shape=(m, n), contiguous=False, align=2)
+        if t.numel() and t.stride(1) != 1:
+            raise ValueError(f"{name}: expected unit column stride, got strides {t.stride()}")
+    check_same_device(**named)
+    if named and next(iter(named.values())).device != device:
+        raise ValueError(f"the epilogue tensors are on {next(iter(named.values())).device}, the operands on {device}")

@@ -1,0 +1,99 @@
+"""Fused GEMM epilogues (kernels/epilogue.py, issue 7): argument errors on any machine; on the
+GPU, every epilogue against fp32 PyTorch (autograd for dSwiGLU) on sizes that are not tile
+multiples, with outputs poisoned before the call."""
+import pytest
+import torch
+
+from cutebwd.kernels.epilogue import ADD, DSWIGLU, check_epilogue_tensors
+from cutebwd.kernels.gemm import matmul_nt
+from cutebwd.layouts.gemm import GemmTiling
+
+
+def test_unknown_epilogue_and_add_without_out_are_errors():
+    a = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="epilogue: one of"):
+        matmul_nt(a, a, epilogue="relu")
+    with pytest.raises(ValueError, match="^out: the 'add' epilogue"):
+        matmul_nt(a, a, epilogue="add")
+
+
+def test_epilogue_tensor_errors_name_the_tensor():
+    bf16 = torch.zeros(4, 6, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="reads 2 inputs"):
+        check_epilogue_tensors(DSWIGLU, (bf16,), bf16, 4, 6, cpu)
+    with pytest.raises(TypeError, match="^gate: expected dtype bfloat16"):
+        check_epilogue_tensors(DSWIGLU, (bf16.float(), bf16), bf16, 4, 6, cpu)
+    with pytest.raises(ValueError, match="^grad_up: the 'dswiglu' epilogue needs it"):
+        check_epilogue_tensors(DSWIGLU, (bf16, bf16), None, 4, 6, cpu)
+    with pytest.raises(ValueError, match="^c: expected a CUDA tensor"):
+        check_epilogue_tensors(ADD, (bf16,), None, 4, 6, cpu)
+
+
+@pytest.mark.gpu
+def test_epilogue_tensor_shapes_and_strides_are_checked():
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ok = torch.zeros(4, 6, **bf16)
+    with pytest.raises(ValueError, match="^grad_up: expected shape"):
+        check_epilogue_tensors(DSWIGLU, (ok, ok), torch.zeros(4, 7, **bf16), 4, 6, dev)
+    with pytest.raises(ValueError, match="^up: expected unit column stride"):
+        check_epilogue_tensors(DSWIGLU, (ok, torch.zeros(6, 4, **bf16).t()), ok, 4, 6, dev)
+    wide = torch.zeros(4, 10, **bf16)[:, 1:7]  # any row stride and a 2-byte offset are fine
+    check_epilogue_tensors(DSWIGLU, (wide, wide), ok, 4, 6, dev)
+
+
+def _operands(m, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(m, k, device="cuda", generator=g).bfloat16(),
+            torch.randn(n, k, device="cuda", generator=g).bfloat16().t().contiguous().t(), g)
+
+
+def _close(got, want, bound=1e-2):
+    return (torch.linalg.norm(got.float() - want) / torch.linalg.norm(want)).item() < bound
+
+
+TILINGS = [None, GemmTiling(tile_n=256, cluster_m=2), GemmTiling(pingpong=True, cluster_m=2),
+           GemmTiling(tile_m=256, tile_n=160), GemmTiling(tile_m=64, tile_n=128, cluster_m=2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: t.spec if t else "default")
+@pytest.mark.parametrize("m,n,k,stream_k", [(300, 520, 200, None), (1000, 776, 2600, True), (128, 5120, 512, None)])
+def test_add_epilogue_adds_into_out(m, n, k, stream_k, tiling):
+    a, b, g = _operands(m, n, k, seed=m + n)
+    c = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    want = c.float() + a.float() @ b.float().t()
+    got = matmul_nt(a, b, out=c, epilogue="add", tiling=tiling, stream_k=stream_k)
+    assert got is c and _close(c, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", TILINGS, ids=lambda t: t.spec if t else "default")
+@pytest.mark.parametrize("m,n,k,stream_k", [(300, 520, 200, None), (1000, 776, 2600, True), (211, 14336, 5120, None)])
+def test_dswiglu_epilogue_matches_autograd(m, n, k, stream_k, tiling):
+    """056's down-projection product g_sw = go . Wd with g_gate and g_up made from its
+    accumulator (silu on `up`), against autograd of gate * silu(up) in fp32."""
+    go, wd_t, g = _operands(m, n, k, seed=m * 3 + n)  # wd_t: Wd [k, n] read as [n, k], N-major
+    gate = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    up = (2 * torch.randn(m, n, device="cuda", generator=g)).bfloat16()
+    g_sw = go.float() @ wd_t.float().t()
+    gate32, up32 = gate.float().requires_grad_(), up.float().requires_grad_()
+    (gate32 * torch.nn.functional.silu(up32)).backward(g_sw)
+    grad_gate = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grad_up = torch.full_like(grad_gate, float("nan"))
+    got = matmul_nt(go, wd_t, out=grad_gate, out2=grad_up, epilogue="dswiglu", inputs=(gate, up),
+                    tiling=tiling, stream_k=stream_k)
+    assert got[0] is grad_gate and got[1] is grad_up
+    assert _close(grad_gate, gate32.grad) and _close(grad_up, up32.grad)
+
+
+@pytest.mark.gpu
+def test_dswiglu_allocates_its_outputs_and_repeats_bitwise():
+    go, wd_t, g = _operands(256, 640, 320, seed=5)
+    gate, up = (torch.randn(256, 640, device="cuda", generator=g).bfloat16() for _ in range(2))
+    first = matmul_nt(go, wd_t, epilogue="dswiglu", inputs=(gate, up))
+    again = matmul_nt(go, wd_t, epilogue="dswiglu", inputs=(gate, up))
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    plain = matmul_nt(go, wd_t)  # same shape, plain build: a separate cache entry
+    assert _close(first[0], plain.float() * torch.nn.functional.silu(up.float()))
