@@ -62,13 +62,7 @@ def bench_product(name, ours_args, cublas_args, flops, log, tilings=()):
     del out, reference
     timed = {who: (lambda tiling=tiling: matmul_nt(*ours_args, tiling=tiling)) for who, tiling in candidates.items()}
     timed["cublas"] = lambda: torch.matmul(*cublas_args)
-    best = {}
-    # Ours and cuBLAS take turns, ROUNDS times, and each keeps its best median: a host or clock
-    # hiccup of a few hundred ms (seen: a 12 us call timed at 20 us) then hits neither side alone.
-    for _ in range(ROUNDS):
-        for who, fn in timed.items():
-            for key, measure in (("us", timing.time_ms), ("graph_us", timing.graph_time_ms)):
-                best[who, key] = min(best.get((who, key), math.inf), measure(fn, [()]) * 1e3)
+    best = timing.alternating_best(timed, ROUNDS)  # ours and cuBLAS take turns
     row = {"name": name, "flops": flops, "relative_error": errors["ours"],
            "ok": max(errors.values()) < MAX_RELATIVE_ERROR}
     for who in ("ours", "cublas"):

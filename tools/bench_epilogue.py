@@ -1,0 +1,103 @@
+"""Issue 7's dSwiGLU bar, in one run on the same random data: 056's down-projection input
+gradient g_sw = go . Wd ([T, H] . [H, I], H = 5120, I = 14336) with g_gate and g_up made in
+its epilogue, against the plain product (ours and cuBLAS) and against the peer, cuBLAS for g_sw
+plus PyTorch's dSwiGLU. Every variant is checked against fp32 autograd before it is timed.
+
+    python -m cutebwd.tools.bench_epilogue [--tokens 2048,8192] [--json bench-epilogue.json]
+
+Bar: the fused product costs <= 1.05 x the plain one. A table on screen, JSON on disk,
+progress on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+
+from cutebwd.tools import timing
+
+HIDDEN, INTERMEDIATE = 5120, 14336
+MAX_RELATIVE_ERROR = 1e-2
+
+
+def dswiglu_torch(g_sw, gate, up):
+    """The peer's epilogue: PyTorch ops on the bf16 product (silu on `up`, as 056 has it)."""
+    g, gate32, up32 = g_sw.float(), gate.float(), up.float()
+    sig = torch.sigmoid(up32)
+    return (g * up32 * sig).bfloat16(), (g * gate32 * sig * (1 + up32 * (1 - sig))).bfloat16()
+
+
+def reference(go, wd, gate, up):
+    g_sw = go.float() @ wd.float()
+    gate32, up32 = gate.float().requires_grad_(), up.float().requires_grad_()
+    (gate32 * torch.nn.functional.silu(up32)).backward(g_sw)
+    return gate32.grad, up32.grad
+
+
+def relative_error(got, want):
+    return max((torch.linalg.norm(g.float() - w) / torch.linalg.norm(w)).item() for g, w in zip(got, want))
+
+
+def bench_tokens(t, generator, log):
+    from cutebwd.kernels.gemm import matmul_nt
+
+    go = torch.randn(t, HIDDEN, device="cuda", generator=generator).bfloat16()
+    wd = (torch.randn(HIDDEN, INTERMEDIATE, device="cuda", generator=generator) / HIDDEN**0.5).bfloat16()
+    gate, up = (torch.randn(t, INTERMEDIATE, device="cuda", generator=generator).bfloat16() for _ in range(2))
+    outs = tuple(torch.empty(t, INTERMEDIATE, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    variants = {
+        "ours fused": lambda: matmul_nt(go, wd.t(), out=outs[0], out2=outs[1], epilogue="dswiglu", inputs=(gate, up)),
+        "ours plain + torch": lambda: dswiglu_torch(matmul_nt(go, wd.t()), gate, up),
+        "cuBLAS + torch": lambda: dswiglu_torch(torch.matmul(go, wd), gate, up),
+    }
+    want = reference(go, wd, gate, up)
+    errors = {who: relative_error(fn(), want) for who, fn in variants.items()}
+    timed = {**variants, "ours plain": lambda: matmul_nt(go, wd.t()), "cuBLAS plain": lambda: torch.matmul(go, wd)}
+    best = timing.alternating_best(timed)
+    row = {"tokens": t, "errors": errors, "ok": max(errors.values()) < MAX_RELATIVE_ERROR,
+           **{f"{who} {key}": value for (who, key), value in best.items()}}
+    row["fused / ours plain"] = row["ours fused us"] / row["ours plain us"]
+    row["fused / cuBLAS plain"] = row["ours fused us"] / row["cuBLAS plain us"]
+    row["fused / peer"] = row["ours fused us"] / row["cuBLAS + torch us"]
+    log(f"  T={t}: fused {row['ours fused us']:.1f} us, ours plain {row['ours plain us']:.1f}, "
+        f"cuBLAS plain {row['cuBLAS plain us']:.1f}, peer {row['cuBLAS + torch us']:.1f}; "
+        f"max error {max(errors.values()):.1e}")
+    return row
+
+
+def format_table(rows) -> str:
+    lines = [f"{'T':>6} {'fused us':>9} {'plain us':>9} {'cuBLAS us':>9} {'peer us':>9} "
+             f"{'/plain':>7} {'/cuBLAS':>8} {'/peer':>6} check"]
+    for r in rows:
+        lines.append(f"{r['tokens']:6d} {r['ours fused us']:9.1f} {r['ours plain us']:9.1f} {r['cuBLAS plain us']:9.1f} "
+                     f"{r['cuBLAS + torch us']:9.1f} {r['fused / ours plain']:7.3f} {r['fused / cuBLAS plain']:8.3f} "
+                     f"{r['fused / peer']:6.3f} {'ok' if r['ok'] else 'FAIL':>5}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="2048,8192", help="comma-separated T values")
+    parser.add_argument("--json", default="bench-epilogue.json")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not timing.have_gpu("bench_epilogue"):
+        return 2
+    generator = torch.Generator(device="cuda").manual_seed(args.seed)
+    rows = []
+    for t in (int(x) for x in args.tokens.split(",")):
+        timing.progress(f"[bench_epilogue] T={t}")
+        rows.append(bench_tokens(t, generator, timing.progress))
+    with open(args.json, "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(format_table(rows))
+    print(f"wrote {args.json}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
