@@ -65,12 +65,12 @@ def in_bounds(coords, extent):
 
 @cute.jit
 def gather(src, inside):
-    """A thread's elements of a bf16 [M, N] input (`src`, partitioned like its accumulators) as
-    fp32, zero where outside."""
+    """A thread's elements of a bf16 [M, N] input (`src`, partitioned like its accumulators), as
+    a bf16 TensorSSA (half the registers of fp32 while it waits), zero where outside."""
     staged = cute.make_rmem_tensor(src.shape, BFloat16)
     staged.fill(0.0)
     cute.basic_copy_if(inside, src, staged)
-    return staged.load().to(Float32)
+    return staged.load()
 
 
 @cute.jit

@@ -320,7 +320,7 @@ class Sm100Gemm:
             return cute.group_modes(subtiles[(None, None, None, None, None, m, n, 0)], 3, 5)[(None, None, None, s)]
 
         inside = in_bounds(mine(coords), extent)
-        outputs = self.epilogue.apply(values.load(), [gather(mine(x), inside) for x in inputs])
+        outputs = self.epilogue.apply(values.load(), [gather(mine(x), inside).to(Float32) for x in inputs])
         values.store(outputs[0])
         if cutlass.const_expr(len(outputs) > 1):
             scatter(outputs[1], mine(out1), inside)

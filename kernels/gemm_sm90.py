@@ -44,6 +44,10 @@ from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_t
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
+# Fused epilogues: the next piece's inputs are loaded before the current piece is worked, so
+# their load latency hides behind its math and store, where the registers allow: at 128
+# accumulators a thread (128 x 256 cooperative) ptxas spilled with a 2-input epilogue.
+GATHER_AHEAD_MAX_ACCUMULATORS = 96
 
 
 class Sm90Gemm:
@@ -63,6 +67,8 @@ class Sm90Gemm:
         self.epi_tile = tiling.epilogue_tile()
         self.cluster = (tiling.cluster_m, tiling.cluster_n)
         self.cluster_size = tiling.cluster_m * tiling.cluster_n
+        accumulators = tiling.tile_m * tiling.tile_n // (WARPGROUP * tiling.tile_warpgroups)
+        self.gather_ahead = int(accumulators <= GATHER_AHEAD_MAX_ACCUMULATORS)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor,
@@ -301,31 +307,41 @@ class Sm90Gemm:
                                                           cute.group_modes(s_c, 0, 2), g_tile)
         pieces = cute.size(g_tile, mode=[1])
         piece_grid = cute.make_layout(g_tile.shape[1], stride=(g_tile.shape[1][1], 1))
+        fetched = {}  # piece -> its gathered epilogue inputs (fused epilogues only)
         for p in cutlass.range_constexpr(pieces):
+            if cutlass.const_expr(extra_tiles is not None):
+                for q in cutlass.range_constexpr(p, min(p + 1 + self.gather_ahead, pieces)):
+                    if cutlass.const_expr(q not in fetched):
+                        fetched[q] = self._gather(thr_r2s, extra_tiles, m, n, piece_grid.get_hier_coord(q))
             for v in cutlass.range_constexpr(cute.size(piece)):
                 piece[v] = r2s_acc[p * cute.size(piece) + v]
             if cutlass.const_expr(extra_tiles is not None):
-                self._fuse(piece, thr_r2s, extra_tiles, m, n, piece_grid.get_hier_coord(p))
+                self._fuse(piece, thr_r2s, extra_tiles, m, n, piece_grid.get_hier_coord(p), *fetched.pop(p))
             buffer = team * self.tiling.epilogue_stages + (done * pieces + p) % self.tiling.epilogue_stages
             store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
                         g_part[(None, piece_grid.get_hier_coord(p))], sync, stores, is_store_warp)
 
+    def _mine(self, thr_r2s, tiles, m, n, piece_coord):
+        """This thread's elements of one piece of tile (m, n) of `tiles`, in `piece`'s order."""
+        pieces = cute.flat_divide(tiles[(None, None, m, n)], self.epi_tile)
+        return thr_r2s.partition_S(pieces[(None, None, piece_coord[0], piece_coord[1])])
 
     @cute.jit
-    def _fuse(self, piece, thr_r2s, extra_tiles, m, n, piece_coord):
-        """The epilogue's element-wise step on one piece: its inputs gathered at the elements this
-        thread holds, the first output back into `piece` (stored as C), a second one scattered."""
-        coords, inputs, out1, extent = extra_tiles
+    def _gather(self, thr_r2s, extra_tiles, m, n, piece_coord):
+        """(which elements lie inside [M, N], the epilogue's inputs there as bf16) for one piece."""
+        coords, inputs, _, extent = extra_tiles
+        inside = in_bounds(self._mine(thr_r2s, coords, m, n, piece_coord), extent)
+        return inside, [gather(self._mine(thr_r2s, x, m, n, piece_coord), inside) for x in inputs]
 
-        def mine(tiles):  # this thread's elements of the piece, in `piece`'s order
-            pieces = cute.flat_divide(tiles[(None, None, m, n)], self.epi_tile)
-            return thr_r2s.partition_S(pieces[(None, None, piece_coord[0], piece_coord[1])])
-
-        inside = in_bounds(mine(coords), extent)
-        outputs = self.epilogue.apply(piece.load(), [gather(mine(x), inside) for x in inputs])
+    @cute.jit
+    def _fuse(self, piece, thr_r2s, extra_tiles, m, n, piece_coord, inside, inputs):
+        """The epilogue's element-wise step on one piece: the first output back into `piece`
+        (stored as C), a second one scattered."""
+        outputs = self.epilogue.apply(piece.load(), [x.to(Float32) for x in inputs])
         piece.store(outputs[0])
         if cutlass.const_expr(len(outputs) > 1):
-            scatter(outputs[1], mine(out1), inside)
+            scatter(outputs[1], self._mine(thr_r2s, extra_tiles[2], m, n, piece_coord), inside)
+
 
 def tma_load_op(peers: int):
     """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
