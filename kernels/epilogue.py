@@ -82,8 +82,8 @@ def scatter(values, dst, inside):
 
 
 def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, device):
-    """Host side: the epilogue's inputs and second output are bf16 [M, N], row-major with any
-    row stride, on the product's device."""
+    """Host side: the epilogue's inputs and second output (None: one will be allocated) are
+    bf16 [M, N], row-major with any row stride, on the product's device."""
     import torch
 
     from .checks import check_same_device, check_tensor
@@ -92,7 +92,7 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
         raise ValueError(f"epilogue {epilogue.name!r} reads {len(epilogue.inputs)} inputs {epilogue.inputs}, "
                          f"got {len(inputs)}")
     named = dict(zip(epilogue.inputs, inputs))
-    if len(epilogue.outputs) > 1:
+    if len(epilogue.outputs) > 1 and out2 is not None:
         named[epilogue.outputs[1]] = out2
     for name, t in named.items():
         if t is None:

@@ -357,8 +357,6 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
             raise ValueError(f"epilogue: one of {sorted(KINDS)}, got {epilogue!r}") from None
         if kind is ADD and out is None:
             raise ValueError("out: the 'add' epilogue adds into it, so it must be given")
-        if len(kind.outputs) > 1 and out2 is None and hasattr(a, "shape") and hasattr(b, "shape"):
-            out2 = torch.empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16, device=a.device)
         call = _resolve(a, b, out, tiling, c_dtype, stream_k, kind, (out,) if kind is ADD else inputs, out2)
         (m, k), n = a.shape, b.shape[0]
     if out is None:

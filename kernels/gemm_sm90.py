@@ -107,8 +107,9 @@ class Sm90Gemm:
         self.storage = Storage
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, in0, in1, out1).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
-                                     min_blocks_per_mp=1, stream=stream)
+                    schedule, in0, in1, out1).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                                                     cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1,
+                                                     stream=stream)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,

@@ -24,8 +24,8 @@ def test_epilogue_tensor_errors_name_the_tensor():
         check_epilogue_tensors(DSWIGLU, (bf16,), bf16, 4, 6, cpu)
     with pytest.raises(TypeError, match="^gate: expected dtype bfloat16"):
         check_epilogue_tensors(DSWIGLU, (bf16.float(), bf16), bf16, 4, 6, cpu)
-    with pytest.raises(ValueError, match="^grad_up: the 'dswiglu' epilogue needs it"):
-        check_epilogue_tensors(DSWIGLU, (bf16, bf16), None, 4, 6, cpu)
+    with pytest.raises(ValueError, match="^up: the 'dswiglu' epilogue needs it"):
+        check_epilogue_tensors(DSWIGLU, (bf16, None), None, 4, 6, cpu)
     with pytest.raises(ValueError, match="^c: expected a CUDA tensor"):
         check_epilogue_tensors(ADD, (bf16,), None, 4, 6, cpu)
 
