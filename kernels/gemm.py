@@ -322,6 +322,9 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
     return call
 
 
+ADD_NEEDS_OUT = "out: the 'add' epilogue adds into it, so it must be given"
+
+
 def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None, stream_k: bool | None = None,
               epilogue: str = "store", inputs=(), out2=None):
     """C[M, N] = A[M, K] . B[N, K]^T from bf16 operands with fp32 accumulation, and what a fused
@@ -356,19 +359,21 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         if kind is None:
             raise ValueError(f"epilogue: one of {sorted(KINDS)}, got {epilogue!r}") from None
         if kind is ADD and out is None:
-            raise ValueError("out: the 'add' epilogue adds into it, so it must be given")
+            raise ValueError(ADD_NEEDS_OUT)
         call = _resolve(a, b, out, tiling, c_dtype, stream_k, kind, (out,) if kind is ADD else inputs, out2)
         (m, k), n = a.shape, b.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
     if epilogue == "store":
         extras = (None, None, None)
     elif epilogue == "add":
+        if out is None:
+            raise ValueError(ADD_NEEDS_OUT)
         extras = (out, None, None)
     else:
         if out2 is None:
             out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
         extras = (*inputs, out2)
+    if out is None:
+        out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
     if m == 0 or n == 0:
         return out if out2 is None else (out, out2)
     if k == 0:
