@@ -83,7 +83,8 @@ def scatter(values, dst, inside):
 
 def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, device):
     """Host side: the epilogue's inputs and second output (None: one will be allocated) are
-    bf16 [M, N], row-major with any row stride, on the product's device."""
+    bf16 [M, N], row-major like C (16-byte aligned, row stride a multiple of 8), on the
+    product's device."""
     import torch
 
     from .checks import check_same_device, check_tensor
@@ -98,9 +99,10 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
         if t is None:
             raise ValueError(f"{name}: the {epilogue.name!r} epilogue needs it")
     for name, t in named.items():
-        check_tensor(name, t, dtypes=torch.bfloat16, shape=(m, n), contiguous=False, align=2)
-        if t.numel() and t.stride(1) != 1:
-            raise ValueError(f"{name}: expected unit column stride, got strides {t.stride()}")
+        check_tensor(name, t, dtypes=torch.bfloat16, shape=(m, n), contiguous=False, align=16)
+        if t.numel() and (t.stride(1) != 1 or t.stride(0) % 8):
+            raise ValueError(f"{name}: expected row-major with a 16-byte multiple row stride (TMA), "
+                             f"got strides {t.stride()}")
     check_same_device(**named)
     if named and next(iter(named.values())).device != device:
         raise ValueError(f"the epilogue tensors are on {next(iter(named.values())).device}, the operands on {device}")

@@ -46,8 +46,8 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
         stride = (cute.sym_int64(divisibility=8), 1) if k_major else (1, cute.sym_int64(divisibility=8))
         return runtime.fake_tensor(BFloat16, (rows, k), stride, 16)
 
-    def mn_tensor():  # read and written element by element: any row stride, 2-byte aligned
-        return runtime.fake_tensor(BFloat16, (m, n), (cute.sym_int64(), 1), 2)
+    def mn_tensor():  # like C: TMA-loaded (Hopper), 16-byte aligned rows
+        return runtime.fake_tensor(BFloat16, (m, n), (cute.sym_int64(divisibility=8), 1), 16)
 
     c = runtime.fake_tensor(c_type, (m, n), (cute.sym_int64(divisibility=128 // c_type.width), 1), 16)
     slots, tile_elements = cute.sym_int32(), tiling.tile_m * tiling.tile_n
@@ -126,18 +126,29 @@ def cta_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair:
 # -- epilogue pieces ---------------------------------------------------------------------
 
 @cute.jit
-def store_piece(values, c_dtype, r2s, r2s_dst, buffer, tma_c, s_piece, g_piece, sync, stores, is_store_warp):
+def store_piece(values, c_dtype, r2s, r2s_dst, buffer, tma_c, s_piece, g_piece, sync, stores, is_store_warp,
+                more=(), refill=None):
     """One epilogue piece: fp32 `values` (this thread's share, in r2s's source layout) -> C type
-    -> shared memory `buffer` -> TMA store of the piece by one warp."""
-    piece_c = cute.make_rmem_tensor(values.shape, c_dtype)
-    piece_c.store(values.load().to(c_dtype))
-    cute.copy(r2s, piece_c, r2s_dst[(None, None, None, buffer)])
+    -> shared memory `buffer` -> TMA store of the piece by one warp. `more`: further bf16 outputs
+    as (fp32 TensorSSA values, r2s destination buffer, tma, s_piece, g_piece), stored in the same
+    bulk group. `refill()`: run by the store warp once the stores have read shared memory (a
+    fused epilogue's next input load into the same buffers)."""
+    for vals, dst, dtype in ((values.load(), r2s_dst[(None, None, None, buffer)], c_dtype),
+                             *((v, d, BFloat16) for v, d, *_ in more)):
+        piece_c = cute.make_rmem_tensor(values.shape, dtype)
+        piece_c.store(vals.to(dtype))
+        cute.copy(r2s, piece_c, dst)
     # make the generic-proxy shared-memory writes visible to the TMA (async proxy)
     cute.arch.fence_proxy("async.shared", space="cta")
     sync.arrive_and_wait()
     if is_store_warp:
         cute.copy(tma_c, s_piece, g_piece)
+        for _, _, tma, s_more, g_more in more:
+            cute.copy(tma, s_more, g_more)
         stores.producer_commit()
+        if cutlass.const_expr(refill is not None):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            refill()
         stores.producer_acquire()  # this buffer is free again once `epilogue_stages` pieces on
     sync.arrive_and_wait()
 

@@ -28,6 +28,8 @@ twin. Measured against cuBLAS: tools/reports/gemm-notes.md.
 """
 from __future__ import annotations
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -38,16 +40,12 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
-from .epilogue import ADD, DSWIGLU, STORE, Epilogue, gather, in_bounds, scatter
+from .epilogue import ADD, DSWIGLU, STORE, Epilogue
 from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
                    store_partial, store_piece, unit, with_unit_batch, work)
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
-# Fused epilogues: the next piece's inputs are loaded before the current piece is worked, so
-# their load latency hides behind its math and store, where the registers allow: at 128
-# accumulators a thread (128 x 256 cooperative) ptxas spilled with a 2-input epilogue.
-GATHER_AHEAD_MAX_ACCUMULATORS = 96
 
 
 class Sm90Gemm:
@@ -63,12 +61,19 @@ class Sm90Gemm:
         self.consumers = tiling.mma_warpgroups
         self.tile_warpgroups = tiling.tile_warpgroups
         self.threads = WARPGROUP * (1 + self.consumers)
-        self.stages = tiling.mainloop_stages(SM90_SMEM_BYTES, c_bytes=c_dtype.width // 8)
+        self.teams = 2 if tiling.pingpong else 1
+        inputs, outputs = len(epilogue.inputs), len(epilogue.outputs)
+        # a fused epilogue's slots: max(inputs, outputs) pieces each (see fused_epilogue_buffers)
+        self.slot_pieces = max(inputs, outputs)
+        self.c_buffers = tiling.fused_epilogue_buffers(inputs, outputs) if inputs else tiling.epilogue_buffers()
+        self.stages = tiling.mainloop_stages(SM90_SMEM_BYTES, c_dtype.width // 8, inputs, outputs)
+        if self.stages < 2:
+            raise ValueError(f"tiling {tiling.spec}: the {epilogue.name!r} epilogue leaves shared memory for "
+                             f"{self.stages} main-loop stages (2 needed)")
         self.epi_tile = tiling.epilogue_tile()
+        self.pieces = (tiling.tile_m // self.epi_tile[0]) * (tiling.tile_n // self.epi_tile[1])
         self.cluster = (tiling.cluster_m, tiling.cluster_n)
         self.cluster_size = tiling.cluster_m * tiling.cluster_n
-        accumulators = tiling.tile_m * tiling.tile_n // (WARPGROUP * tiling.tile_warpgroups)
-        self.gather_ahead = int(accumulators <= GATHER_AHEAD_MAX_ACCUMULATORS)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor,
@@ -85,7 +90,7 @@ class Sm90Gemm:
             Float32, (self.tile_warpgroups, 1, 1), tiler_mn=(64, t.tile_n))
         a_smem = sm90.make_smem_layout_a(self.a_layout, self.tile_mnk, BFloat16, self.stages)
         b_smem = sm90.make_smem_layout_b(self.b_layout, self.tile_mnk, BFloat16, self.stages)
-        c_smem = sm90.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, t.epilogue_buffers())
+        c_smem = sm90.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.c_buffers)
         # In a cluster, the CTAs of one cluster column share A's tile and those of one cluster
         # row share B's: each loads a slice and multicasts it to the others.
         tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -96,33 +101,47 @@ class Sm90Gemm:
             num_multicast=t.cluster_m)
         tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
+        # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
+        # stores, all through the pieces of C's shared memory (fused_epilogue_buffers).
+        fused = ()
+        for x in (in0, in1, out1):
+            if cutlass.const_expr(x is not None):
+                op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \
+                    else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+                atom, tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(op, with_unit_batch(x),
+                                                                      cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
+                fused += (atom, tensor)
 
-        @cute.struct
-        class Storage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
-
-        self.storage = Storage
+        self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, in0, in1, out1).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
-                                                     cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1,
-                                                     stream=stream)
+                    schedule, fused).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                                            cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    def _storage(self, a_smem, b_smem, c_smem):
+        """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
+        outside the jit function, whose `if`s would be traced)."""
+        fields = {
+            "barriers": cute.struct.MemRange[cutlass.Int64, self.stages * 2],
+            "sA": cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_smem)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_smem)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024],
+        }
+        if self.epilogue.inputs:
+            fields["in_full"] = cute.struct.MemRange[cutlass.Int64, self.teams * self.tiling.epilogue_input_stages]
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, m_in0: cute.Tensor | None, m_in1: cute.Tensor | None,
-               m_out1: cute.Tensor | None):
+               flags: cute.Tensor, schedule, fused):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if warp == 0:
-            for atom in (tma_a, tma_b, tma_c):
+            for atom in (tma_a, tma_b, tma_c, *fused[::2]):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         cta_layout = cute.make_layout((*self.cluster, 1))  # rank in cluster -> (m, n, 0) within it
@@ -142,6 +161,12 @@ class Sm90Gemm:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      (sum(self.cluster) - 1) * self.tile_warpgroups * 4),
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *self.cluster, 1)), defer_sync=True)
+        epilogue_io = self._epilogue_io(storage, fused)
+        if cutlass.const_expr(epilogue_io is not None):
+            if warp == 0:
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(self.teams * t.epilogue_input_stages):
+                        cute.arch.mbarrier_init(epilogue_io[1] + i, 1)
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster, is_relaxed=True)
 
         s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -183,23 +208,24 @@ class Sm90Gemm:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles,
-                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp,
-                          self._extra_tiles(m_c, (m_in0, m_in1, m_out1)))
+                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io)
 
-    def _extra_tiles(self, m_c, extras):
-        """(coordinates, inputs, second output, [M, N]) tiled like C for the epilogue's
-        element-wise reads and writes, or None for the plain store."""
+    def _epilogue_io(self, storage, fused):
+        """A fused epilogue's extra tensors in the kernel: ([(TMA atom, global tiles) of each
+        input], the slots' full barriers, [(TMA atom, global tiles) of the second output]), or
+        None for the plain store. A slot's barrier is armed by the loading thread with the
+        pieces' bytes. No `empty` barrier: a slot is refilled by the team's store warp once the
+        team has synced past the slot's reads and the TMA store from it has read it."""
         if cutlass.const_expr(self.epilogue is STORE):
             return None
         tile = (self.tiling.tile_m, self.tiling.tile_n)
-        extent = cute.select(m_c.shape, mode=[0, 1])
-        coords = cute.make_identity_tensor(extent)
-        tiled = [cute.local_tile(x, tile, (None, None)) if x is not None else None for x in extras]
-        return cute.local_tile(coords, tile, (None, None)), tiled[:len(self.epilogue.inputs)], tiled[2], extent
+        tensors = [(fused[i], cute.local_tile(fused[i + 1], tile, (None, None, None))) for i in range(0, len(fused), 2)]
+        inputs = len(self.epilogue.inputs)
+        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
 
     @cute.jit
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles, tiles_m, tiles_n,
-                 cluster_coord, partials, flags, ctidx, warp, extra_tiles):
+                 cluster_coord, partials, flags, ctidx, warp, io):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
         stream-K units hand partial tiles on or gather them first. A team works each unit: all
         consumer warpgroups (cooperative), or one warpgroup, the two taking units in turn
@@ -228,6 +254,11 @@ class Sm90Gemm:
         r2s_dst = thr_r2s.partition_D(s_c)
         r2s_acc = r2s.retile(acc)
         piece = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(s_c))[:3], Float32)
+        # A fused epilogue's input pieces come out of shared memory by ldmatrix, onto the same
+        # thread-to-element mapping as the accumulators (stmatrix's inverse).
+        s2r = cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), BFloat16),
+                                     cute.make_tiled_copy_C_atom(c_atom, tiled_mma)).get_slice(thread)
+        is_store_warp = warp == WARPGROUP // 32 * (1 + team)  # the team's first warp
         team_sync = pipeline.NamedBarrier(barrier_id=1 + team, num_threads=team_threads)
         # Pingpong turns: a warpgroup arrives on the other's barrier once it has issued a unit's
         # MMAs, and waits on its own before issuing its next unit's. Besides alternating the
@@ -252,6 +283,14 @@ class Sm90Gemm:
                 read.advance(Int32(k_end - k_begin))
                 release.advance(Int32(k_end - k_begin))
             else:
+                m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
+                if cutlass.const_expr(io is not None):
+                    # A tile this team finishes: its first input pieces load under the MMAs, once
+                    # the TMA stores of the team's previous tile have read their slots.
+                    if k_end == k_tiles and is_store_warp:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        for q in cutlass.range_constexpr(min(self.tiling.epilogue_input_stages, self.pieces)):
+                            self._load_inputs(io, s_c, team, done * self.pieces + q, m, n, q)
                 if cutlass.const_expr(pingpong):
                     if u > 0:
                         my_turn.arrive_and_wait()
@@ -290,58 +329,80 @@ class Sm90Gemm:
                             theirs = earlier * self.cluster_size + rank
                             await_partial(flags, theirs, thread, team_sync)
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
-                    m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
                     self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team,
-                                   team_sync, stores, warp == WARPGROUP // 32 * (1 + team),  # the team's first warp
-                                   extra_tiles)
+                                   team_sync, stores, is_store_warp, io, s2r)
                     done += 1
         stores.producer_tail()
 
     @cute.jit
     def _epilogue(self, r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, sync, stores,
-                  is_store_warp, extra_tiles):
+                  is_store_warp, io, s2r):
         """The finished tile (m, n), one epilogue piece at a time through the team's
         `epilogue_stages` shared-memory buffers (gemm.store_piece). Pieces go in row-major
-        order, which is the order of the retiled accumulators (64-row blocks outermost)."""
-        g_tile = cute.zipped_divide(g_c[(None, None, m, n, 0)], self.epi_tile)
-        s_part, g_part = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1),
-                                                          cute.group_modes(s_c, 0, 2), g_tile)
-        pieces = cute.size(g_tile, mode=[1])
-        piece_grid = cute.make_layout(g_tile.shape[1], stride=(g_tile.shape[1][1], 1))
-        fetched = {}  # piece -> its gathered epilogue inputs (fused epilogues only)
-        for p in cutlass.range_constexpr(pieces):
-            if cutlass.const_expr(extra_tiles is not None):
-                for q in cutlass.range_constexpr(p, min(p + 1 + self.gather_ahead, pieces)):
-                    if cutlass.const_expr(q not in fetched):
-                        fetched[q] = self._gather(thr_r2s, extra_tiles, m, n, piece_grid.get_hier_coord(q))
+        order, which is the order of the retiled accumulators (64-row blocks outermost). A fused
+        epilogue works each piece in its slot: inputs read (loaded `epilogue_input_stages`
+        pieces ahead), outputs written over them and stored from there."""
+        s_part, g_part = self._tma_pieces(tma_c, s_c, g_c, m, n)
+        grid = self._piece_grid()
+        stages = self.tiling.epilogue_input_stages
+        if cutlass.const_expr(io is not None and len(io[2]) > 0):
+            (tma_out1, g_out1), = io[2]
+            s_out1_part, g_out1_part = self._tma_pieces(tma_out1, s_c, g_out1, m, n)
+        for p in cutlass.range_constexpr(self.pieces):
             for v in cutlass.range_constexpr(cute.size(piece)):
                 piece[v] = r2s_acc[p * cute.size(piece) + v]
-            if cutlass.const_expr(extra_tiles is not None):
-                self._fuse(piece, thr_r2s, extra_tiles, m, n, piece_grid.get_hier_coord(p), *fetched.pop(p))
-            buffer = team * self.tiling.epilogue_stages + (done * pieces + p) % self.tiling.epilogue_stages
+            more, refill = (), None
+            if cutlass.const_expr(io is None):
+                buffer = team * self.tiling.epilogue_stages + (done * self.pieces + p) % self.tiling.epilogue_stages
+            else:
+                seq = done * self.pieces + p  # the team's piece count: picks the slot and its phase
+                slot = team * stages + seq % stages
+                buffer = slot * self.slot_pieces
+                outputs = self.epilogue.apply(piece.load(), self._read_inputs(io, s2r, s_c, slot, seq, piece.shape))
+                piece.store(outputs[0])
+                sync.arrive_and_wait()  # every thread has read the slot's inputs: outputs may go over them
+                if cutlass.const_expr(len(outputs) > 1):
+                    more = ((outputs[1], r2s_dst[(None, None, None, buffer + 1)], tma_out1,
+                             s_out1_part[(None, buffer + 1)], g_out1_part[(None, grid.get_hier_coord(p))]),)
+                if cutlass.const_expr(p + stages < self.pieces):
+                    refill = functools.partial(self._load_inputs, io, s_c, team, seq + stages, m, n, p + stages)
             store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
-                        g_part[(None, piece_grid.get_hier_coord(p))], sync, stores, is_store_warp)
+                        g_part[(None, grid.get_hier_coord(p))], sync, stores, is_store_warp, more, refill)
 
-    def _mine(self, thr_r2s, tiles, m, n, piece_coord):
-        """This thread's elements of one piece of tile (m, n) of `tiles`, in `piece`'s order."""
-        pieces = cute.flat_divide(tiles[(None, None, m, n)], self.epi_tile)
-        return thr_r2s.partition_S(pieces[(None, None, piece_coord[0], piece_coord[1])])
+    def _piece_grid(self):
+        """Piece index -> (row, column) of the piece within the tile, row-major."""
+        rows, cols = self.tiling.tile_m // self.epi_tile[0], self.tiling.tile_n // self.epi_tile[1]
+        return cute.make_layout((rows, cols), stride=(cols, 1))
 
-    @cute.jit
-    def _gather(self, thr_r2s, extra_tiles, m, n, piece_coord):
-        """(which elements lie inside [M, N], the epilogue's inputs there as bf16) for one piece."""
-        coords, inputs, _, extent = extra_tiles
-        inside = in_bounds(self._mine(thr_r2s, coords, m, n, piece_coord), extent)
-        return inside, [gather(self._mine(thr_r2s, x, m, n, piece_coord), inside) for x in inputs]
+    def _tma_pieces(self, atom, smem, tiles, m, n):
+        """(shared-memory buffers, global pieces of tile (m, n)) of one TMA-moved [M, N] tensor."""
+        g_tile = cute.zipped_divide(tiles[(None, None, m, n, 0)], self.epi_tile)
+        return cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), g_tile)
 
-    @cute.jit
-    def _fuse(self, piece, thr_r2s, extra_tiles, m, n, piece_coord, inside, inputs):
-        """The epilogue's element-wise step on one piece: the first output back into `piece`
-        (stored as C), a second one scattered."""
-        outputs = self.epilogue.apply(piece.load(), [x.to(Float32) for x in inputs])
-        piece.store(outputs[0])
-        if cutlass.const_expr(len(outputs) > 1):
-            scatter(outputs[1], self._mine(thr_r2s, extra_tiles[2], m, n, piece_coord), inside)
+    def _load_inputs(self, io, s_c, team, seq, m, n, p):
+        """Store warp: TMA-load piece `p` of tile (m, n) of every epilogue input into the team's
+        slot for its `seq`-th piece, arming the slot's full barrier with the bytes."""
+        inputs, stages = io[0], self.tiling.epilogue_input_stages
+        slot = team * stages + seq % stages
+        barrier = io[1] + slot
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, len(inputs) * self.epi_tile[0] * self.epi_tile[1] * 2)
+        for i, (atom, tiles) in enumerate(inputs):
+            s_part, g_part = self._tma_pieces(atom, s_c, tiles, m, n)
+            cute.copy(atom, g_part[(None, self._piece_grid().get_hier_coord(p))],
+                      s_part[(None, slot * self.slot_pieces + i)], tma_bar_ptr=barrier)
+
+    def _read_inputs(self, io, s2r, s_c, slot, seq, shape):
+        """Every thread: wait for the `seq`-th input pieces in `slot`, read its elements of each
+        (ldmatrix) and widen them to fp32 (TensorSSAs in the accumulators' order)."""
+        cute.arch.mbarrier_wait(io[1] + slot, (seq // self.tiling.epilogue_input_stages) % 2)
+        pieces = s2r.partition_S(s_c)
+        values = []
+        for i in range(len(io[0])):
+            staged = cute.make_rmem_tensor(shape, BFloat16)
+            cute.copy(s2r, pieces[(None, None, None, slot * self.slot_pieces + i)], s2r.retile(staged))
+            values.append(staged.load().to(Float32))
+        return values
 
 
 def tma_load_op(peers: int):

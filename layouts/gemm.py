@@ -30,6 +30,9 @@ class GemmTiling:
     cluster_m: int = 1
     cluster_n: int = 1
     epilogue_stages: int = 2
+    # Hopper fused epilogues: slots of input pieces per team, TMA-loaded ahead (the first ones
+    # while the tile's MMAs run); see fused_epilogue_buffers.
+    epilogue_input_stages: int = 2
     # Persistent tile order: tiles go out in groups of `group_m` tile rows, walking M inside a
     # group, so CTAs working at the same time share B panels and a few A panels in L2.
     group_m: int = 8
@@ -123,11 +126,20 @@ class GemmTiling:
         """Shared-memory staging buffers of C: `epilogue_stages` for each team storing on its own."""
         return self.epilogue_stages * (2 if self.pingpong else 1)
 
-    def mainloop_stages(self, smem_bytes: int, c_bytes: int = 2) -> int:
-        """As many A+B stages as fit next to the epilogue's staging buffers."""
+    def fused_epilogue_buffers(self, inputs: int, outputs: int) -> int:
+        """Hopper, fused epilogue: shared-memory pieces in place of C's staging buffers. Each team
+        has a ring of `epilogue_input_stages` slots; a slot holds a piece of every input (TMA-
+        loaded ahead), then the same piece of every output (written over the inputs once they
+        are read, TMA-stored from there)."""
+        return (2 if self.pingpong else 1) * self.epilogue_input_stages * max(inputs, outputs)
+
+    def mainloop_stages(self, smem_bytes: int, c_bytes: int = 2, inputs: int = 0, outputs: int = 1) -> int:
+        """As many A+B stages as fit next to the epilogue's staging buffers (of a fused
+        epilogue with `inputs` extra bf16 inputs and `outputs` results, if any)."""
         stage = (self.tile_m + self.tile_n) * self.tile_k * 2
         epilogue_m, epilogue_n = self.epilogue_tile()
-        return (smem_bytes - self.epilogue_buffers() * epilogue_m * epilogue_n * c_bytes) // stage
+        buffers = self.fused_epilogue_buffers(inputs, outputs) if inputs else self.epilogue_buffers()
+        return (smem_bytes - buffers * epilogue_m * epilogue_n * c_bytes) // stage
 
 
 def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):

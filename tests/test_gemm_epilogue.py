@@ -34,13 +34,17 @@ def test_epilogue_tensor_errors_name_the_tensor():
 def test_epilogue_tensor_shapes_and_strides_are_checked():
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     dev = torch.device("cuda", torch.cuda.current_device())
-    ok = torch.zeros(4, 6, **bf16)
+    ok = torch.zeros(4, 8, **bf16)
     with pytest.raises(ValueError, match="^grad_up: expected shape"):
-        check_epilogue_tensors(DSWIGLU, (ok, ok), torch.zeros(4, 7, **bf16), 4, 6, dev)
-    with pytest.raises(ValueError, match="^up: expected unit column stride"):
-        check_epilogue_tensors(DSWIGLU, (ok, torch.zeros(6, 4, **bf16).t()), ok, 4, 6, dev)
-    wide = torch.zeros(4, 10, **bf16)[:, 1:7]  # any row stride and a 2-byte offset are fine
-    check_epilogue_tensors(DSWIGLU, (wide, wide), ok, 4, 6, dev)
+        check_epilogue_tensors(DSWIGLU, (ok, ok), torch.zeros(4, 7, **bf16), 4, 8, dev)
+    with pytest.raises(ValueError, match="^up: expected row-major"):
+        check_epilogue_tensors(DSWIGLU, (ok, torch.zeros(8, 4, **bf16).t()), ok, 4, 8, dev)
+    with pytest.raises(ValueError, match="^gate: expected row-major with a 16-byte multiple row stride"):
+        check_epilogue_tensors(DSWIGLU, (torch.zeros(4, 12, **bf16)[:, :8], ok), ok, 4, 8, dev)
+    with pytest.raises(ValueError, match="^gate: data pointer must be 16-byte aligned"):
+        check_epilogue_tensors(DSWIGLU, (torch.zeros(4, 24, **bf16)[:, 1:9], ok), ok, 4, 8, dev)
+    wide = torch.zeros(4, 24, **bf16)[:, 8:16]  # a wider row stride is fine (TMA reads it)
+    check_epilogue_tensors(DSWIGLU, (wide, wide), ok, 4, 8, dev)
 
 
 def _operands(m, n, k, seed):
