@@ -2,11 +2,13 @@
 element by element, on its way out, so no extra pass over memory is made.
 
 An `Epilogue` names the extra [M, N] bf16 tensors it reads at each element (`inputs`) and the
-[M, N] results it writes (`outputs`; the first leaves through C's TMA store, a second through
-direct stores from the threads' registers). Both arches' kernels walk the tile in epilogue
-pieces; per piece they `gather` the inputs at exactly the elements a thread holds, `apply` the
-epilogue in fp32 and `scatter` the second output. The gathers and scatters are predicated on the
-[M, N] bounds (tiles past the edge), so sizes need not be tile multiples.
+[M, N] results it writes (`outputs`; the first is C). Both arches' kernels walk the tile in
+epilogue pieces and `apply` the epilogue in fp32 to each thread's accumulators:
+- Hopper (gemm_sm90): the inputs' pieces arrive by TMA loads in C's shared-memory slots, are
+  read by ldmatrix onto the accumulators' layout, and the outputs leave by TMA stores from
+  the same slots (TMA bounds the ragged edges);
+- Blackwell (gemm_sm100, never executed): `gather` reads the inputs at exactly the elements a
+  thread holds and `scatter` writes a second output, predicated on [M, N] (`in_bounds`).
 
 Kinds:
 - STORE: C = acc (the plain product);
@@ -42,8 +44,18 @@ def _add(acc, c):
     return (acc + c,)
 
 
+def _sigmoid(x):
+    """1 / (1 + e^-x) by the approximate exponential and reciprocal (one MUFU op each): an IEEE
+    division is a dozen instructions per element, issued beside the other team's MMAs."""
+    d = cute.make_rmem_tensor(x.shape, Float32)
+    d.store(1.0 + cute.math.exp(-x, fastmath=True))
+    for i in range(cute.size(d)):  # traced inline: apply runs inside the kernel's jit function
+        d[i] = cute.arch.rcp_approx(d[i])
+    return d.load()
+
+
 def _dswiglu(g_sw, gate, up):
-    sig = 1.0 / (1.0 + cute.math.exp(-up, fastmath=True))
+    sig = _sigmoid(up)
     return g_sw * (up * sig), g_sw * gate * sig * (1.0 + up * (1.0 - sig))
 
 

@@ -17,6 +17,11 @@ Structure (warp-specialized, persistent, one CTA per SM):
   its own staging buffers and store warp; a warpgroup starts a tile's MMAs only once the other
   has issued all of its previous tile's, so the tensor cores alternate between them and one's
   epilogue runs under the other's MMAs (the short-K products, where epilogues are a large share);
+- fused epilogues (kernels.epilogue; `add`, `dswiglu`): C's staging buffers become each team's
+  ring of slots; the team's store warp TMA-loads a piece of every input into a slot (the
+  first ones while the tile's MMAs run, the next once a slot's stores have read it), every
+  thread reads its elements by ldmatrix, and the outputs go over the inputs after a team sync
+  and leave by TMA stores (tools/reports/epilogue-notes.md);
 - the schedule (layouts.gemm): cluster tiles in grouped order, whole waves data-parallel
   (tile = cluster + u * clusters); a ragged last wave (plus one full wave) is hybrid stream-K:
   its k-iterations are dealt out evenly, and the cluster that holds a tile's last k-iterations
@@ -427,7 +432,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_m=256, tile_n=160), True, False, "bfloat16"),
-    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),
+    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
 ))
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no

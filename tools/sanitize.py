@@ -23,7 +23,7 @@ from cutebwd.tools.timing import have_gpu, progress
 TOOLS = ("memcheck", "racecheck")
 
 
-def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, **tiling):
+def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue="store", **tiling):
     def run():
         from cutebwd.kernels.gemm import matmul_nt
         from cutebwd.layouts.gemm import GemmTiling
@@ -34,8 +34,22 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, **tiling
             torch.randn(k, m, device="cuda", generator=g).bfloat16().t()
         b = torch.randn(k, n, device="cuda", generator=g).bfloat16().t()
         c_dtype = torch.float32 if fp32_c else torch.bfloat16
-        out = matmul_nt(a, b, out_dtype=c_dtype, tiling=GemmTiling(**tiling) if tiling else None, stream_k=stream_k)
-        assert_parity(["c"], [out], [a.float() @ b.float().t()], [c_dtype])
+        picked = GemmTiling(**tiling) if tiling else None
+        product = a.float() @ b.float().t()
+        if epilogue == "add":
+            c = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+            want = c.float() + product
+            assert_parity(["c"], [matmul_nt(a, b, out=c, epilogue="add", tiling=picked, stream_k=stream_k)], [want],
+                          [c_dtype])
+        elif epilogue == "dswiglu":
+            gate, up = (torch.randn(m, n, device="cuda", generator=g).bfloat16() for _ in range(2))
+            sig = torch.sigmoid(up.float())
+            want = [product * up.float() * sig, product * gate.float() * sig * (1 + up.float() * (1 - sig))]
+            got = matmul_nt(a, b, epilogue="dswiglu", inputs=(gate, up), tiling=picked, stream_k=stream_k)
+            assert_parity(["grad_gate", "grad_up"], list(got), want, [c_dtype] * 2)
+        else:
+            out = matmul_nt(a, b, out_dtype=c_dtype, tiling=picked, stream_k=stream_k)
+            assert_parity(["c"], [out], [product], [c_dtype])
     return run
 
 
@@ -55,7 +69,7 @@ def _problem_case(problem, batch, seq, *, without_normalized=False, **options):
 
 
 # Small enough to finish under racecheck in seconds, large enough to take every code path:
-# ragged tiles, clusters, pingpong, stream-K hand-over, 256-row tiles, fp32 C; 013 with and
+# ragged tiles, clusters, pingpong, stream-K hand-over, 256-row tiles, fp32 C, fused epilogues; 013 with and
 # without `normalized` (None: a second case); 087 with duplicated ids and int32 ids.
 CASES = {
     "gemm default": _gemm_case(1000, 776, 1000),
@@ -65,6 +79,9 @@ CASES = {
                                                        cluster_m=2, pingpong=True),
     "gemm 256x160": _gemm_case(600, 400, 320, tile_m=256, tile_n=160),
     "gemm fp32 C, stream-K": _gemm_case(300, 200, 1000, stream_k=True, fp32_c=True),
+    # fused epilogues: TMA-loaded input slots reused for the outputs (two tiles per team at least)
+    "gemm epilogue dswiglu, pingpong (its default), stream-K": _gemm_case(1000, 776, 1000, stream_k=True, epilogue="dswiglu"),
+    "gemm epilogue add, 128x256 cluster 2x1": _gemm_case(600, 776, 320, epilogue="add", tile_m=128, tile_n=256, cluster_m=2),
     "013": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),
     "013 normalized=None": _problem_case("fused_residual_rmsnorm_backward", 3, 50, without_normalized=True,
                                          consistent=True),
