@@ -3,12 +3,11 @@ element by element, on its way out, so no extra pass over memory is made.
 
 An `Epilogue` names the extra [M, N] bf16 tensors it reads at each element (`inputs`) and the
 [M, N] results it writes (`outputs`; the first is C). Both arches' kernels walk the tile in
-epilogue pieces and `apply` the epilogue in fp32 to each thread's accumulators:
-- Hopper (gemm_sm90): the inputs' pieces arrive by TMA loads in C's shared-memory slots, are
-  read by ldmatrix onto the accumulators' layout, and the outputs leave by TMA stores from
-  the same slots (TMA bounds the ragged edges);
-- Blackwell (gemm_sm100, never executed): `gather` reads the inputs at exactly the elements a
-  thread holds and `scatter` writes a second output, predicated on [M, N] (`in_bounds`).
+epilogue pieces through slots of C's shared memory: a slot's input pieces arrive by TMA loads
+(`load_slot`), each thread reads its elements onto the accumulators' layout (`read_slot`),
+`apply` maps them to the outputs in fp32, and the outputs are written over the inputs and leave
+by TMA stores (TMA bounds the ragged edges). Hopper runs it; the Blackwell build compiles and
+passes the audit but has never run (no Blackwell GPU here).
 
 Kinds:
 - STORE: C = acc (the plain product);
@@ -66,31 +65,34 @@ DSWIGLU = Epilogue("dswiglu", inputs=("gate", "up"), outputs=("grad_gate", "grad
 KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU)}
 
 
-@cute.jit
-def in_bounds(coords, extent):
-    """Boolean fragment: which of a thread's elements (their (m, n) coordinates) lie inside `extent`."""
-    inside = cute.make_rmem_tensor(coords.shape, cutlass.Boolean)
-    for i in cutlass.range_constexpr(cute.size(inside)):
-        inside[i] = cute.elem_less(coords[i], extent)
-    return inside
+def init_slot_barriers(first, count: int):
+    """One thread: `count` full barriers from `first`, each completed by one arrival (the
+    loading thread's) plus the bytes of its slot's TMA loads."""
+    with cute.arch.elect_one():
+        for i in range(count):
+            cute.arch.mbarrier_init(first + i, 1)
 
 
-@cute.jit
-def gather(src, inside):
-    """A thread's elements of a bf16 [M, N] input (`src`, partitioned like its accumulators), as
-    a bf16 TensorSSA (half the registers of fp32 while it waits), zero where outside."""
-    staged = cute.make_rmem_tensor(src.shape, BFloat16)
-    staged.fill(0.0)
-    cute.basic_copy_if(inside, src, staged)
-    return staged.load()
+def load_slot(barrier, copies, nbytes: int):
+    """One warp: arm a slot's full barrier with `nbytes` and issue its TMA loads, `copies` of
+    (atom, global piece, shared-memory buffer)."""
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(barrier, nbytes)
+    for atom, src, dst in copies:
+        cute.copy(atom, src, dst, tma_bar_ptr=barrier)
 
 
-@cute.jit
-def scatter(values, dst, inside):
-    """Store fp32 TensorSSA `values` as bf16 into `dst` (partitioned like the accumulators), inside only."""
-    staged = cute.make_rmem_tensor(dst.shape, BFloat16)
-    staged.store(values.to(BFloat16))
-    cute.basic_copy_if(inside, staged, dst)
+def read_slot(barrier, phase, s2r, buffers, shape):
+    """Every epilogue thread: wait for a slot's loads (barrier `phase`), read its elements of
+    each input buffer with the shared-memory load copy `s2r` (the inverse of C's store copy, so
+    they land in the accumulators' order) and widen them: a list of fp32 TensorSSAs."""
+    cute.arch.mbarrier_wait(barrier, phase)
+    values = []
+    for buffer in buffers:
+        staged = cute.make_rmem_tensor(shape, BFloat16)
+        cute.copy(s2r, buffer, s2r.retile(staged))
+        values.append(staged.load().to(Float32))
+    return values
 
 
 def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, device):

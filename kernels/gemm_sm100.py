@@ -13,8 +13,13 @@ accumulator lives:
 - warps 0-3 (epilogue): tensor memory -> registers (tcgen05.ld) -> gemm.store_piece (C type,
   shared memory, TMA store), one epilogue subtile at a time; stream-K units hand their partial
   tile on or add the earlier ones first (gemm.store_partial / add_partial), as on Hopper.
+  Fused epilogues (kernels.epilogue) as on Hopper: C's buffers become slots, warp 0 TMA-loads
+  each subtile's inputs into one (the first ones while the tile's MMAs run), the outputs go
+  over them and leave by TMA stores.
 """
 from __future__ import annotations
+
+import functools
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -27,7 +32,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
-from .epilogue import ADD, DSWIGLU, STORE, Epilogue, gather, in_bounds, scatter
+from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
 from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
                    store_partial, store_piece, unit, with_unit_batch, work)
 
@@ -58,6 +63,11 @@ class Sm100Gemm:
         self.mma_tiler = (tiling.tile_m * self.pair, tiling.tile_n, tiling.tile_k)
         self.cta_tile = (tiling.tile_m, tiling.tile_n, tiling.tile_k)
         self.threads = 32 * (len(EPILOGUE_WARPS) + 2)
+        inputs, outputs = len(epilogue.inputs), len(epilogue.outputs)
+        # A fused epilogue works each subtile in a slot of C's shared memory, as on Hopper
+        # (layouts.gemm fused_epilogue_buffers; the four epilogue warps are one team).
+        self.slot_pieces = max(inputs, outputs)
+        self.c_buffers = tiling.epilogue_input_stages * self.slot_pieces if inputs else tiling.epilogue_stages
 
     def _tiled_mma(self):
         return sm100.make_trivial_tiled_mma(BFloat16, BFloat16, self.a_major, self.b_major, Float32, self.cta_group,
@@ -74,7 +84,8 @@ class Sm100Gemm:
         # (V, M, N, 1) view of the cluster: V = the CTA pair of a 2-CTA MMA
         cluster_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster, 1)), (tiled_mma.thr_id.shape,))
         epi_tile = sm100.compute_epilogue_tile_shape(self.cta_tile, self.two_cta, self.c_layout, self.c_dtype)
-        c_smem = sm100.make_smem_layout_epi(self.c_dtype, self.c_layout, epi_tile, t.epilogue_stages)
+        c_smem = sm100.make_smem_layout_epi(self.c_dtype, self.c_layout, epi_tile, self.c_buffers)
+        self._piece_bytes = cute.size_in_bytes(self.c_dtype, cute.select(c_smem, mode=[0, 1]))
         one_stage = (cute.size_in_bytes(BFloat16, sm100.make_smem_layout_a(tiled_mma, self.mma_tiler, BFloat16, 1))
                      + cute.size_in_bytes(BFloat16, sm100.make_smem_layout_b(tiled_mma, self.mma_tiler, BFloat16, 1)))
         stages = (SM100_SMEM_BYTES - cute.size_in_bytes(self.c_dtype, c_smem)) // one_stage
@@ -89,6 +100,13 @@ class Sm100Gemm:
             cute.slice_(b_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
         tma_c, tc = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
                                                 cute.select(c_smem, mode=[0, 1]), epi_tile)
+        fused = ()  # a fused epilogue's TMA atoms and tensors: inputs loaded into C's slots, out1 stored
+        for x in (in0, in1, out1):
+            if cutlass.const_expr(x is not None):
+                op = cpasync.CopyBulkTensorTileS2GOp() if x is out1 else cpasync.CopyBulkTensorTileG2SOp()
+                atom, tensor = cpasync.make_tiled_tma_atom(op, with_unit_batch(x), cute.select(c_smem, mode=[0, 1]),
+                                                           epi_tile)
+                fused += (atom, tensor)
         # bytes landing in one stage of the ring per MMA tile (both CTAs of a pair)
         tx_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, None, 0)))
                     + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, None, 0)))) \
@@ -97,33 +115,40 @@ class Sm100Gemm:
             cute.append(tiled_mma.partition_shape_C(self.mma_tiler[:2]), ACCUMULATORS))
         tmem_columns = cutlass.memory.get_num_tmem_alloc_cols(accumulators)
 
-        @cute.struct
-        class Storage:
-            ring: cute.struct.MemRange[cutlass.Int64, stages * 2]
-            accumulator_barriers: cute.struct.MemRange[cutlass.Int64, ACCUMULATORS * 2]
-            tmem_dealloc: cutlass.Int64
-            tmem_address: cutlass.Int32
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
-
-        self.storage, self.stages, self.tx_bytes, self.tmem_columns = Storage, stages, tx_bytes, tmem_columns
+        self.storage = self._storage(stages, a_smem, b_smem, c_smem)
+        self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
-                    accumulators.layout, partials, flags, (dp_tiles, sk_per), in0, in1, out1).launch(
+                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1, stream=stream)  # one CTA per SM: registers need not be rationed
+
+    def _storage(self, stages, a_smem, b_smem, c_smem):
+        """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
+        outside the jit function, whose `if`s would be traced)."""
+        fields = {
+            "ring": cute.struct.MemRange[cutlass.Int64, stages * 2],
+            "accumulator_barriers": cute.struct.MemRange[cutlass.Int64, ACCUMULATORS * 2],
+            "tmem_dealloc": cutlass.Int64,
+            "tmem_address": cutlass.Int32,
+            "sA": cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_smem)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_smem)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024],
+        }
+        if self.epilogue.inputs:
+            fields["in_full"] = cute.struct.MemRange[cutlass.Int64, self.tiling.epilogue_input_stages]
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom,
                m_b: cute.Tensor, tma_c: cute.CopyAtom, m_c: cute.Tensor, cluster_vmnk: cute.Layout,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout,
                epi_tile: cute.Tile, accumulator_layout: cute.Layout, partials: cute.Tensor, flags: cute.Tensor,
-               schedule, m_in0: cute.Tensor | None, m_in1: cute.Tensor | None, m_out1: cute.Tensor | None):
+               schedule, fused):
         t = self.tiling
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == TMA_WARP:
-            for atom in (tma_a, tma_b, tma_c):
+            for atom in (tma_a, tma_b, tma_c, *fused[::2]):
                 cpasync.prefetch_descriptor(atom)
         bidx, _, _ = cute.arch.block_idx()
         pair_rank = bidx % cute.size(tiled_mma.thr_id.shape)  # V: this CTA's half of a 2-CTA MMA
@@ -150,6 +175,9 @@ class Sm100Gemm:
             barrier_id=TMEM_ALLOC_SYNC, num_threads=32 * (len(EPILOGUE_WARPS) + 1)),
             allocator_warp_id=EPILOGUE_WARPS[0], is_two_cta=self.two_cta,
             two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr)
+        if cutlass.const_expr(self.epilogue.inputs):
+            if warp == 0:
+                init_slot_barriers(storage.in_full.data_ptr(), t.epilogue_input_stages)
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_vmnk, is_relaxed=True)
 
         s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -169,7 +197,7 @@ class Sm100Gemm:
             cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b), 0, 3))
         frag_a, frag_b = tiled_mma.make_fragment_A(s_a), tiled_mma.make_fragment_B(s_b)
         c_of_cta = thr_mma.partition_C(g_c)  # this CTA's rows of every MMA tile of C
-        extra_tiles = self._extra_tiles(thr_mma, m_c, (m_in0, m_in1, m_out1))
+        io = self._epilogue_io(storage, fused, thr_mma)
         # Cluster tiles of the schedule, in MMA tiles: cluster_m / pair MMA tiles tall.
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m // self.pair)
         tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
@@ -226,13 +254,13 @@ class Sm100Gemm:
             tmem.wait_for_alloc()
             accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
             self._epilogue(tidx, tiled_mma, accumulators, accumulator_ready, s_c, c_of_cta, epi_tile, tma_c,
-                           schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp, extra_tiles)
+                           schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp, io)
             tmem.relinquish_alloc_permit()
             tmem.free(accumulators.iterator)
 
     @cute.jit
     def _epilogue(self, tidx, tiled_mma, accumulators, accumulator_ready, s_c, c_of_cta, epi_tile, tma_c, schedule,
-                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp, extra_tiles):
+                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp, io):
         """Epilogue warps: per unit, the accumulator buffer -> registers, one subtile at a time,
         then either to this CTA's partial-tile slot (stream-K, not the tile's last k-iterations)
         or, after adding the earlier partials in cluster order, through gemm.store_piece."""
@@ -246,8 +274,13 @@ class Sm100Gemm:
         values = cute.make_rmem_tensor(thr_t2r.partition_D(c_subtiles)[(None, None, None, 0, 0, 0, 0, 0)].shape,
                                        Float32)
         # registers -> shared memory, then TMA store of the subtile
-        r2s = cute.make_tiled_copy_D(sm100.get_smem_store_op(self.c_layout, self.c_dtype, Float32, t2r), t2r)
+        store_atom = sm100.get_smem_store_op(self.c_layout, self.c_dtype, Float32, t2r)
+        r2s = cute.make_tiled_copy_D(store_atom, t2r)
         r2s_dst = r2s.get_slice(tidx).partition_D(s_c)
+        # a fused epilogue's input pieces, read back onto the accumulators' layout (ldmatrix
+        # where C's store copy is stmatrix)
+        s2r = cute.make_tiled_copy_D(cute.make_copy_atom(_smem_load_op(store_atom.op), BFloat16), t2r).get_slice(tidx)
+        is_store_warp = warp == EPILOGUE_WARPS[0]
         s_part, g_parts = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
                                                 cute.group_modes(c_subtiles, 0, 2))
         sync = pipeline.NamedBarrier(barrier_id=EPILOGUE_SYNC, num_threads=EPILOGUE_THREADS)
@@ -266,6 +299,13 @@ class Sm100Gemm:
             acc = cute.group_modes(acc_subtiles[(None, None, None, None, None, drained.index)], 3, 5)
             g_piece = cute.group_modes(g_parts[(None, None, None, m, n, 0)], 1, 3)
             subtiles = cute.size(acc, mode=[3])
+            if cutlass.const_expr(io is not None):
+                # A tile this CTA finishes: its first input subtiles load under the MMAs, once the
+                # TMA stores of the previous tile have read their slots.
+                if k_end == k_tiles and is_store_warp:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    for q in cutlass.range_constexpr(self.tiling.epilogue_input_stages):
+                        self._refill(io, s_c, epi_tile, done + q, m, n, q, subtiles)
             accumulator_ready.consumer_wait(drained)
             if k_end < k_tiles:
                 # Not this tile's last k-iterations: hand the partial tile to its finisher.
@@ -282,11 +322,13 @@ class Sm100Gemm:
                     for earlier in cutlass.range(owner(tile, plan), plan[0]):
                         add_partial(values, partials[earlier * self.cluster_size + rank, None],
                                     s * vectors_per_subtile, tidx, EPILOGUE_THREADS)
-                    if cutlass.const_expr(extra_tiles is not None):
-                        self._fuse(values, thr_t2r, extra_tiles, epi_tile, m, n, s)
-                    buffer = (done + s) % self.tiling.epilogue_stages
-                    store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, tma_c,
-                                s_part[(None, buffer)], g_piece[(None, s)], sync, stores, warp == EPILOGUE_WARPS[0])
+                    if cutlass.const_expr(io is None):
+                        buffer = (done + s) % self.tiling.epilogue_stages
+                        store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, tma_c,
+                                    s_part[(None, buffer)], g_piece[(None, s)], sync, stores, is_store_warp)
+                    else:
+                        self._fused_piece(io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece, tma_c, sync,
+                                          stores, is_store_warp, done + s, m, n, s, subtiles)
                 done += subtiles
             # every epilogue warp has read this accumulator buffer: hand it back to the MMA warp
             sync.arrive_and_wait()
@@ -295,39 +337,76 @@ class Sm100Gemm:
             drained.advance()
         stores.producer_tail()
 
-    def _extra_tiles(self, thr_mma, m_c, extras):
-        """(coordinates, inputs, second output, [M, N]) partitioned like C (this CTA's rows of
-        each MMA tile) for the epilogue's element-wise reads and writes, or None for the plain
-        store."""
+    def _epilogue_io(self, storage, fused, thr_mma):
+        """A fused epilogue's extra tensors: ([(TMA atom, this CTA's subtiles) of each input], the
+        slots' full barriers, [the same for the second output]), or None for the plain store.
+        Subtiles are indexed like C's (gemm_sm100._epilogue's g_parts)."""
         if cutlass.const_expr(self.epilogue is STORE):
             return None
         tile = cute.slice_(self.mma_tiler, (None, None, 0))
-        extent = m_c.shape  # (M, N, 1): the coordinates carry the unit batch mode too
-        of_cta = [thr_mma.partition_C(cute.local_tile(with_unit_batch(x), tile, (None, None, None)))
-                  if x is not None else None for x in extras]
-        coords = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(m_c.shape), tile, (None, None, None)))
-        return coords, of_cta[:len(self.epilogue.inputs)], of_cta[2], extent
+        tensors = []
+        for i in range(0, len(fused), 2):
+            of_cta = thr_mma.partition_C(cute.local_tile(fused[i + 1], tile, (None, None, None)))
+            tensors.append((fused[i], of_cta))
+        inputs = len(self.epilogue.inputs)
+        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
+
+    def _subtiles(self, atom, s_c, of_cta, epi_tile, m, n):
+        """(shared-memory buffers, global subtiles of MMA tile (m, n)) of one TMA-moved tensor."""
+        subtiles = cute.flat_divide(of_cta[((None, None), 0, 0, None, None, None)], epi_tile)
+        s_part, g_parts = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
+                                                cute.group_modes(subtiles, 0, 2))
+        return s_part, cute.group_modes(g_parts[(None, None, None, m, n, 0)], 1, 3)
 
     @cute.jit
-    def _fuse(self, values, thr_t2r, extra_tiles, epi_tile, m, n, s):
-        """The epilogue's element-wise step on subtile `s` of tile (m, n): inputs gathered at the
-        elements this thread holds, the first output back into `values` (stored as C), a second
-        one scattered."""
-        coords, inputs, out1, extent = extra_tiles
+    def _refill(self, io, s_c, epi_tile, seq, m, n, s, subtiles):
+        """Store warp: TMA-load subtile `s` (if the tile has it) of every input into the slot of
+        this CTA's `seq`-th subtile."""
+        if s < subtiles:
+            slot = seq % self.tiling.epilogue_input_stages
+            copies = []
+            for i, (atom, of_cta) in enumerate(io[0]):
+                s_part, g_piece = self._subtiles(atom, s_c, of_cta, epi_tile, m, n)
+                copies.append((atom, g_piece[(None, s)], s_part[(None, slot * self.slot_pieces + i)]))
+            load_slot(io[1] + slot, copies, len(io[0]) * self._piece_bytes)
 
-        def mine(of_cta):  # this thread's elements of the subtile, in `values`' order
-            subtiles = thr_t2r.partition_D(cute.flat_divide(of_cta[((None, None), 0, 0, None, None, None)], epi_tile))
-            return cute.group_modes(subtiles[(None, None, None, None, None, m, n, 0)], 3, 5)[(None, None, None, s)]
-
-        inside = in_bounds(mine(coords), extent)
-        outputs = self.epilogue.apply(values.load(), [gather(mine(x), inside).to(Float32) for x in inputs])
+    @cute.jit
+    def _fused_piece(self, io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece, tma_c, sync, stores,
+                     is_store_warp, seq, m, n, s, subtiles):
+        """Subtile `s` in its slot: the inputs read, the epilogue applied, the outputs written over
+        the inputs and TMA-stored from there; then the slot is refilled `epilogue_input_stages`
+        subtiles on."""
+        stages = self.tiling.epilogue_input_stages
+        slot = seq % stages
+        buffer = slot * self.slot_pieces
+        pieces = s2r.partition_S(s_c)
+        inputs = read_slot(io[1] + slot, (seq // stages) % 2, s2r,
+                           [pieces[(None, None, None, buffer + i)] for i in range(len(io[0]))], values.shape)
+        outputs = self.epilogue.apply(values.load(), inputs)
         values.store(outputs[0])
+        sync.arrive_and_wait()  # every thread has read the slot's inputs: outputs may go over them
+        more = ()
         if cutlass.const_expr(len(outputs) > 1):
-            scatter(outputs[1], mine(out1), inside)
+            second = cute.make_rmem_tensor(values.layout, Float32)
+            second.store(outputs[1])
+            (tma_out1, of_cta), = io[2]
+            s_out1, g_out1 = self._subtiles(tma_out1, s_c, of_cta, epi_tile, m, n)
+            more = ((r2s.retile(second).load(), r2s_dst[(None, None, None, buffer + 1)], tma_out1,
+                     s_out1[(None, buffer + 1)], g_out1[(None, s)]),)
+        store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
+                    g_piece[(None, s)], sync, stores, is_store_warp, more,
+                    functools.partial(self._refill, io, s_c, epi_tile, seq + stages, m, n, s + stages, subtiles))
 
     def _mma_tile(self, tile, tiles_m, tiles_n, coord_vmnk):
         """(m, n) MMA tile of this CTA for cluster tile `tile` (the pair of a 2-CTA MMA shares one)."""
         return cta_tile(self.tiling, tile, tiles_m, tiles_n, coord_vmnk[1], coord_vmnk[2], self.pair)
+
+
+def _smem_load_op(op):
+    """The shared-memory load matching C's store copy `op`: ldmatrix for stmatrix, else plain loads."""
+    if isinstance(op, cute.nvgpu.warp.StMatrix8x8x16bOp):
+        return cute.nvgpu.warp.LdMatrix8x8x16bOp(op.transpose, op.num_matrices)
+    return cute.nvgpu.CopyUniversalOp()
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",
@@ -347,6 +426,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(), True, False, "bfloat16", ADD),
 ))
 # tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read
-# back with LDTM, TMA-store epilogue, no spills, no float atomics. Blackwell only: sm_90a has
-# no tcgen05.
-AUDIT_EXPECTS = {"sm_100a": {"require": ["UTCMMA", "UTMALDG", "UTMASTG", "LDTM"], "forbid": ["LOCAL", "ATOM/RED.FLOAT"]}}
+# back with LDTM, TMA-store epilogue, no spills, no float atomics, no 2-byte global accesses
+# (the fused epilogues move their [M, N] tensors by TMA, not element by element). Blackwell
+# only: sm_90a has no tcgen05.
+AUDIT_EXPECTS = {"sm_100a": {"require": ["UTCMMA", "UTMALDG", "UTMASTG", "LDTM"],
+                             "forbid": ["LOCAL", "ATOM/RED.FLOAT", "LDG.16", "STG.16"]}}

@@ -45,7 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
-from .epilogue import ADD, DSWIGLU, STORE, Epilogue
+from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
 from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
                    store_partial, store_piece, unit, with_unit_batch, work)
 
@@ -169,9 +169,7 @@ class Sm90Gemm:
         epilogue_io = self._epilogue_io(storage, fused)
         if cutlass.const_expr(epilogue_io is not None):
             if warp == 0:
-                with cute.arch.elect_one():
-                    for i in cutlass.range_constexpr(self.teams * t.epilogue_input_stages):
-                        cute.arch.mbarrier_init(epilogue_io[1] + i, 1)
+                init_slot_barriers(epilogue_io[1], self.teams * t.epilogue_input_stages)
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster, is_relaxed=True)
 
         s_a = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -386,28 +384,21 @@ class Sm90Gemm:
 
     def _load_inputs(self, io, s_c, team, seq, m, n, p):
         """Store warp: TMA-load piece `p` of tile (m, n) of every epilogue input into the team's
-        slot for its `seq`-th piece, arming the slot's full barrier with the bytes."""
+        slot for its `seq`-th piece."""
         inputs, stages = io[0], self.tiling.epilogue_input_stages
         slot = team * stages + seq % stages
-        barrier = io[1] + slot
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(barrier, len(inputs) * self.epi_tile[0] * self.epi_tile[1] * 2)
+        copies = []
         for i, (atom, tiles) in enumerate(inputs):
             s_part, g_part = self._tma_pieces(atom, s_c, tiles, m, n)
-            cute.copy(atom, g_part[(None, self._piece_grid().get_hier_coord(p))],
-                      s_part[(None, slot * self.slot_pieces + i)], tma_bar_ptr=barrier)
+            copies.append((atom, g_part[(None, self._piece_grid().get_hier_coord(p))],
+                           s_part[(None, slot * self.slot_pieces + i)]))
+        load_slot(io[1] + slot, copies, len(inputs) * self.epi_tile[0] * self.epi_tile[1] * 2)
 
     def _read_inputs(self, io, s2r, s_c, slot, seq, shape):
-        """Every thread: wait for the `seq`-th input pieces in `slot`, read its elements of each
-        (ldmatrix) and widen them to fp32 (TensorSSAs in the accumulators' order)."""
-        cute.arch.mbarrier_wait(io[1] + slot, (seq // self.tiling.epilogue_input_stages) % 2)
+        """The `seq`-th input pieces in `slot`, as fp32 in the accumulators' order."""
         pieces = s2r.partition_S(s_c)
-        values = []
-        for i in range(len(io[0])):
-            staged = cute.make_rmem_tensor(shape, BFloat16)
-            cute.copy(s2r, pieces[(None, None, None, slot * self.slot_pieces + i)], s2r.retile(staged))
-            values.append(staged.load().to(Float32))
-        return values
+        return read_slot(io[1] + slot, (seq // self.tiling.epilogue_input_stages) % 2, s2r,
+                         [pieces[(None, None, None, slot * self.slot_pieces + i)] for i in range(len(io[0]))], shape)
 
 
 def tma_load_op(peers: int):
@@ -437,7 +428,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
 ))
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
-# spills; the stream-K ready flags are integer atomics, never float ones (partials are added in
-# a fixed order). Hopper only: sm_100a has no warpgroup MMA; its twin (tcgen05) is a separate build.
+# spills, no 2-byte global accesses (fused epilogues move their tensors by TMA); the stream-K
+# ready flags are integer atomics, never float ones (partials are added in a fixed order).
+# Hopper only: sm_100a has no warpgroup MMA; its twin (tcgen05) is a separate build.
 AUDIT_EXPECTS = {"sm_90a": {"require": ["HGMMA", "UTMALDG", "UTMASTG"],
-                            "forbid": ["LOCAL", "ATOM/RED.FLOAT", "HGMMA.SERIAL"]}}
+                            "forbid": ["LOCAL", "ATOM/RED.FLOAT", "HGMMA.SERIAL", "LDG.16", "STG.16"]}}
