@@ -34,11 +34,14 @@ def with_unit_batch(t):
     return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
 
 
-def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE):
+def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE,
+                   products: int = 1):
     """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, out1):
     M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
     tiling shares its build. in0, in1 (the epilogue's inputs) and out1 (its second output) are
-    bf16 [M, N] with unit column stride, or None where the epilogue has none."""
+    bf16 [M, N] with unit column stride, or None where the epilogue has none. A group of two or
+    three `products` sharing B takes (a0, a1, a2, b, c0, c1, c2, partials, ...) instead, each
+    product with its own M (a2 and c2 None for two)."""
     c_type = C_DTYPES[c_dtype]
     m, n, k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -55,30 +58,43 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     flags = runtime.fake_tensor(Int32, (slots,), (1,), 4)
     inputs = [mn_tensor() for _ in epilogue.inputs] + [None] * (2 - len(epilogue.inputs))
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
-    return (operand(m, a_k_major), operand(n, b_k_major), c, partials, flags, Int32(132), Int32(0), Int32(0),
-            *inputs, out1, runtime.env_stream())
+    schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
+    if products > 1:
+        rows = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
+        a_list = [operand(r, a_k_major) if r is not None else None for r in rows]
+        c_list = [runtime.fake_tensor(c_type, (r, n), (cute.sym_int64(divisibility=128 // c_type.width), 1), 16)
+                  if r is not None else None for r in rows]
+        return (*a_list, operand(n, b_k_major), *c_list, *schedule, runtime.env_stream())
+    return (operand(m, a_k_major), operand(n, b_k_major), c, *schedule, *inputs, out1, runtime.env_stream())
 
 
 def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
-                 arch: str, dump_dir=None, epilogue: Epilogue = STORE):
-    """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype, epilogue)."""
+                 arch: str, dump_dir=None, epilogue: Epilogue = STORE, products: int = 1):
+    """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype, epilogue,
+    products: 1, or a group of 2 or 3 sharing B through the class's `Grouped` entry point)."""
     if epilogue is not STORE and c_dtype != "bfloat16":
         raise ValueError(f"the {epilogue.name!r} epilogue writes bf16 C, got {c_dtype}")
-    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue.name),
-                                  kernel_class(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
-                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue), arch=arch,
-                                  dump_dir=dump_dir, tvm_ffi=True)
+    if products not in (1, 2, 3) or products > 1 and epilogue is not STORE:
+        raise ValueError(f"a group is 2 or 3 plain products, got {products} with epilogue {epilogue.name!r}")
+    cls = kernel_class if products == 1 else kernel_class.Grouped
+    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue.name, products),
+                                  cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
+                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products),
+                                  arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
 def audit_builds(family: str, build, cases):
     """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
-    K-major?, C dtype[, epilogue]); a tiling is named by its `spec`, as bench_gemm names it."""
+    K-major?, C dtype[, epilogue[, products in a group]]); a tiling is named by its `spec`, as
+    bench_gemm names it."""
     builds = {}
     for t, ak, bk, c, *rest in cases:
-        epilogue = rest[0] if rest else STORE
+        epilogue, products = rest[0] if rest else STORE, rest[1] if len(rest) > 1 else 1
         name = f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}" \
-               + ("]" if epilogue is STORE else f",epilogue {epilogue.name}]")
-        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue: build(t, ak, bk, c, arch, dump_dir, e)
+               + ("" if epilogue is STORE else f",epilogue {epilogue.name}") \
+               + ("]" if products == 1 else f",{products} products]")
+        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue, g=products: \
+            build(t, ak, bk, c, arch, dump_dir, e, g)
     return builds
 
 
@@ -123,16 +139,33 @@ def cta_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair:
     return m * (tiling.cluster_m // pair) + coord_m, n * tiling.cluster_n + coord_n
 
 
+def group_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, starts, pair: int = 1):
+    """(product, m, n) for a group of products sharing B, stacked along M in cluster-tile rows:
+    `starts` holds the row where each product after the first begins, and m counts from its
+    product's first row. With one product (no starts) this is (0, *cta_tile(...))."""
+    if cutlass.const_expr(len(starts) == 0):
+        return (0, *cta_tile(tiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair))
+    m, n = tile_coord(tile, tiles_m, tiles_n, tiling.group_m, cutlass.min)
+    product, first = Int32(0), Int32(0)
+    for start in starts:
+        later = m >= start
+        product = cutlass.select_(later, product + 1, product)
+        first = cutlass.select_(later, start, first)
+    return product, (m - first) * (tiling.cluster_m // pair) + coord_m, n * tiling.cluster_n + coord_n
+
+
 # -- epilogue pieces ---------------------------------------------------------------------
 
 @cute.jit
-def store_piece(values, c_dtype, r2s, r2s_dst, buffer, tma_c, s_piece, g_piece, sync, stores, is_store_warp,
+def store_piece(values, c_dtype, r2s, r2s_dst, buffer, targets, s_piece, product, sync, stores, is_store_warp,
                 more=(), refill=None):
     """One epilogue piece: fp32 `values` (this thread's share, in r2s's source layout) -> C type
-    -> shared memory `buffer` -> TMA store of the piece by one warp. `more`: further bf16 outputs
-    as (fp32 TensorSSA values, r2s destination buffer, tma, s_piece, g_piece), stored in the same
-    bulk group. `refill()`: run by the store warp once the stores have read shared memory (a
-    fused epilogue's next input load into the same buffers)."""
+    -> shared memory `buffer` (`s_piece` as the TMA sees it) -> TMA store of the piece by one
+    warp to `targets[product]`, a (TMA atom, global piece) (several for a group of products:
+    `product` picks one). `more`: further bf16 outputs as (fp32 TensorSSA values, r2s
+    destination buffer, tma, s_piece, g_piece), stored in the same bulk group. `refill()`: run
+    by the store warp once the stores have read shared memory (a fused epilogue's next input
+    load into the same buffers)."""
     for vals, dst, dtype in ((values.load(), r2s_dst[(None, None, None, buffer)], c_dtype),
                              *((v, d, BFloat16) for v, d, *_ in more)):
         piece_c = cute.make_rmem_tensor(values.shape, dtype)
@@ -142,7 +175,12 @@ def store_piece(values, c_dtype, r2s, r2s_dst, buffer, tma_c, s_piece, g_piece, 
     cute.arch.fence_proxy("async.shared", space="cta")
     sync.arrive_and_wait()
     if is_store_warp:
-        cute.copy(tma_c, s_piece, g_piece)
+        if cutlass.const_expr(len(targets) == 1):
+            cute.copy(targets[0][0], s_piece, targets[0][1])
+        else:
+            for i in cutlass.range_constexpr(len(targets)):
+                if product == i:
+                    cute.copy(targets[i][0], s_piece, targets[i][1])
         for _, _, tma, s_more, g_more in more:
             cute.copy(tma, s_more, g_more)
         stores.producer_commit()
@@ -231,28 +269,29 @@ def _k_major(t, name):
     raise ValueError(f"{name}: one of the two dimensions must be contiguous, got strides {t.stride()}")
 
 
-def _check(a, b, out):
+def _check(a, b, out, a_name="a", out_name="out"):
     """The full argument check, with messages that name the argument: run on a shape's first
     call and to explain a call the compiled function's own (C) checks reject."""
     import torch
 
     from .checks import check_same_device, check_tensor
 
-    check_tensor("a", a, dtypes=torch.bfloat16, ndim=2, contiguous=False)
+    check_tensor(a_name, a, dtypes=torch.bfloat16, ndim=2, contiguous=False)
     check_tensor("b", b, dtypes=torch.bfloat16, ndim=2, contiguous=False)
     (m, k), (n, k_b) = a.shape, b.shape
     if k != k_b:
-        raise ValueError(f"a is [{m}, {k}] and b is [{n}, {k_b}]: the K extents differ")
-    for name, t in (("a", a), ("b", b)):
+        raise ValueError(f"{a_name} is [{m}, {k}] and b is [{n}, {k_b}]: the K extents differ")
+    for name, t in ((a_name, a), ("b", b)):
         k_major = _k_major(t, name)
         if t.numel() and k_major and t.stride(0) % 8 or not k_major and t.stride(1) % 8:
             raise ValueError(f"{name}: the non-contiguous stride must be a multiple of 8 elements (16 bytes) "
                              f"for TMA, got strides {t.stride()}")
     if out is not None:
-        check_tensor("out", out, dtypes=(torch.bfloat16, torch.float32), shape=(m, n), contiguous=False)
+        check_tensor(out_name, out, dtypes=(torch.bfloat16, torch.float32), shape=(m, n), contiguous=False)
         if out.numel() and (out.stride(1) != 1 or out.stride(0) % (16 // out.element_size())):
-            raise ValueError(f"out: expected row-major with a 16-byte multiple row stride, got strides {out.stride()}")
-    check_same_device(a=a, b=b, out=out)
+            raise ValueError(f"{out_name}: expected row-major with a 16-byte multiple row stride, "
+                             f"got strides {out.stride()}")
+    check_same_device(**{a_name: a, "b": b, out_name: out})
 
 
 _compiled: dict = {}  # (tiling, a K-major?, b K-major?, C dtype, device) -> (TVM-FFI function, max clusters)

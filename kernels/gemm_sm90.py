@@ -46,7 +46,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
 from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
-from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
+from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, group_tile, owner, publish_partial,
                    store_partial, store_piece, unit, with_unit_batch, work)
 
 PRODUCER_REGISTERS = 40
@@ -88,8 +88,15 @@ class Sm90Gemm:
         CTA (layouts.gemm.stream_k_plan), their partial tiles through `partials` [ctas, tile
         elements] and the ready `flags` [ctas] (zero between calls). in0, in1, out1: the
         epilogue's [M, N] inputs and second output (None where it has none)."""
+        self._launch([a], b, [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
+
+    def _launch(self, a_groups, b, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
+        """The launch for one product, or for a group of products sharing B (one A and one C
+        each: Sm90GroupedGemm)."""
         t = self.tiling
-        a, b, c = with_unit_batch(a), with_unit_batch(b), with_unit_batch(c)
+        in0, in1, out1 = extras
+        b = with_unit_batch(b)
+        a, c = with_unit_batch(a_groups[0]), with_unit_batch(c_groups[0])
         tiled_mma = sm90.make_trivial_tiled_mma(
             BFloat16, BFloat16, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             Float32, (self.tile_warpgroups, 1, 1), tiler_mn=(64, t.tile_n))
@@ -117,10 +124,21 @@ class Sm90Gemm:
                                                                       cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
                 fused += (atom, tensor)
 
+        # The other products of a group: their A and C, by TMA like the first's.
+        grouped = ()
+        for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
+            tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                tma_load_op(t.cluster_n), with_unit_batch(a_g), cute.slice_(a_smem, (None, None, 0)),
+                (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
+            tma_c_g, tc_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), with_unit_batch(c_g), cute.slice_(c_smem, (None, None, 0)),
+                self.epi_tile)
+            grouped += (tma_a_g, ta_g, tma_c_g, tc_g)
+
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                    schedule, fused, grouped).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
                                             cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     def _storage(self, a_smem, b_smem, c_smem):
@@ -140,13 +158,13 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused):
+               flags: cute.Tensor, schedule, fused, grouped):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if warp == 0:
-            for atom in (tma_a, tma_b, tma_c, *fused[::2]):
+            for atom in (tma_a, tma_b, tma_c, *fused[::2], *grouped[::2]):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         cta_layout = cute.make_layout((*self.cluster, 1))  # rank in cluster -> (m, n, 0) within it
@@ -181,6 +199,14 @@ class Sm90Gemm:
         g_c = cute.local_tile(m_c, (t.tile_m, t.tile_n), (None, None, None))
         t_sa, t_ga = cute.nvgpu.cpasync.tma_partition(tma_a, cluster_coord[1], cute.make_layout(t.cluster_n),
                                                       cute.group_modes(s_a, 0, 2), cute.group_modes(g_a, 0, 2))
+        # A group of products: per product (A's TMA atom, its k-tiles, C's atom, C's tiles)
+        products = [(tma_a, t_ga, tma_c, g_c)]
+        for i in cutlass.range_constexpr(0, len(grouped), 4):
+            g_a_i = cute.local_tile(grouped[i + 1], (t.tile_m, t.tile_k), (None, None, None))
+            products.append((grouped[i], cute.nvgpu.cpasync.tma_partition(
+                grouped[i], cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
+                cute.group_modes(g_a_i, 0, 2))[1], grouped[i + 2],
+                cute.local_tile(grouped[i + 3], (t.tile_m, t.tile_n), (None, None, None))))
         t_sb, t_gb = cute.nvgpu.cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(t.cluster_m),
                                                       cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
         k_tiles = cute.size(g_a, mode=[3])
@@ -188,6 +214,11 @@ class Sm90Gemm:
         # tile lies past M or N still loads its share for its peers (TMA fills zeros, stores clip).
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m)
         tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
+        # grouped: the products' cluster-tile rows stacked; where each product after the first starts
+        starts = []
+        for _, _, _, g_c_i in products[1:]:
+            starts.append(tiles_m)
+            tiles_m = tiles_m + cute.ceil_div(cute.size(g_c_i, mode=[2]), t.cluster_m)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
 
         if warpgroup == 0:
@@ -197,12 +228,16 @@ class Sm90Gemm:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for u in cutlass.range(units):
                     tile, k_begin, k_end = unit(u, plan)
-                    m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
+                    product, m, n = group_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0],
+                                               cluster_coord[1], starts)
                     for k in cutlass.range(k_begin, k_end):
                         ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
-                        cute.copy(tma_a, t_ga[(None, m, k, 0)], t_sa[(None, state.index)], tma_bar_ptr=barrier,
-                                  mcast_mask=a_peers if cutlass.const_expr(t.cluster_n > 1) else 0)
+                        for i in cutlass.range_constexpr(len(products)):
+                            if product == i:  # warp-uniform; a constant True for one product
+                                cute.copy(products[i][0], products[i][1][(None, m, k, 0)], t_sa[(None, state.index)],
+                                          tma_bar_ptr=barrier,
+                                          mcast_mask=a_peers if cutlass.const_expr(t.cluster_n > 1) else 0)
                         cute.copy(tma_b, t_gb[(None, n, k, 0)], t_sb[(None, state.index)], tma_bar_ptr=barrier,
                                   mcast_mask=b_peers if cutlass.const_expr(t.cluster_m > 1) else 0)
                         ring.producer_commit(state)
@@ -210,7 +245,7 @@ class Sm90Gemm:
                 ring.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles,
+            self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,
                           tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io)
 
     def _epilogue_io(self, storage, fused):
@@ -227,7 +262,7 @@ class Sm90Gemm:
         return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
 
     @cute.jit
-    def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles, tiles_m, tiles_n,
+    def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles, tiles_m, tiles_n,
                  cluster_coord, partials, flags, ctidx, warp, io):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
         stream-K units hand partial tiles on or gather them first. A team works each unit: all
@@ -286,7 +321,8 @@ class Sm90Gemm:
                 read.advance(Int32(k_end - k_begin))
                 release.advance(Int32(k_end - k_begin))
             else:
-                m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
+                product, m, n = group_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1],
+                                           starts)
                 if cutlass.const_expr(io is not None):
                     # A tile this team finishes: its first input pieces load under the MMAs, once
                     # the TMA stores of the team's previous tile have read their slots.
@@ -332,20 +368,22 @@ class Sm90Gemm:
                             theirs = earlier * self.cluster_size + rank
                             await_partial(flags, theirs, thread, team_sync)
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
-                    self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team,
+                    self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team,
                                    team_sync, stores, is_store_warp, io, s2r)
                     done += 1
         stores.producer_tail()
 
     @cute.jit
-    def _epilogue(self, r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, sync, stores,
-                  is_store_warp, io, s2r):
+    def _epilogue(self, r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team, sync,
+                  stores, is_store_warp, io, s2r):
         """The finished tile (m, n), one epilogue piece at a time through the team's
         `epilogue_stages` shared-memory buffers (gemm.store_piece). Pieces go in row-major
         order, which is the order of the retiled accumulators (64-row blocks outermost). A fused
         epilogue works each piece in its slot: inputs read (loaded `epilogue_input_stages`
         pieces ahead), outputs written over them and stored from there."""
-        s_part, g_part = self._tma_pieces(tma_c, s_c, g_c, m, n)
+        # C's pieces of tile (m, n) of each product of a group (one, unless grouped)
+        s_part = self._tma_pieces(products[0][2], s_c, products[0][3], m, n)[0]
+        g_parts = [self._tma_pieces(tma_c, s_c, g_c, m, n)[1] for _, _, tma_c, g_c in products]
         grid = self._piece_grid()
         stages = self.tiling.epilogue_input_stages
         if cutlass.const_expr(io is not None and len(io[2]) > 0):
@@ -369,8 +407,10 @@ class Sm90Gemm:
                              s_out1_part[(None, buffer + 1)], g_out1_part[(None, grid.get_hier_coord(p))]),)
                 if cutlass.const_expr(p + stages < self.pieces):
                     refill = functools.partial(self._load_inputs, io, s_c, team, seq + stages, m, n, p + stages)
-            store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
-                        g_part[(None, grid.get_hier_coord(p))], sync, stores, is_store_warp, more, refill)
+            targets = [(tma_c, g_part[(None, grid.get_hier_coord(p))])
+                       for (_, _, tma_c, _), g_part in zip(products, g_parts)]
+            store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, targets, s_part[(None, buffer)], product, sync,
+                        stores, is_store_warp, more, refill)
 
     def _piece_grid(self):
         """Piece index -> (row, column) of the piece within the tile, row-major."""
@@ -401,6 +441,25 @@ class Sm90Gemm:
                          [pieces[(None, None, None, slot * self.slot_pieces + i)] for i in range(len(io[0]))], shape)
 
 
+class Sm90GroupedGemm(Sm90Gemm):
+    """Two or three plain products sharing B in one persistent launch (gemm_grouped):
+    C_i = A_i . B^T, their cluster-tile rows stacked along M (gemm.group_tile), so the
+    schedule (waves, stream-K) covers them all."""
+
+    @cute.jit
+    def __call__(self, a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor | None, b: cute.Tensor, c0: cute.Tensor,
+                 c1: cute.Tensor, c2: cute.Tensor | None, partials: cute.Tensor, flags: cute.Tensor, ctas: Int32,
+                 dp_tiles: Int32, sk_per: Int32, stream: cuda.CUstream):
+        a_groups, c_groups = [a0, a1], [c0, c1]
+        if cutlass.const_expr(a2 is not None):
+            a_groups.append(a2)
+            c_groups.append(c2)
+        self._launch(a_groups, b, c_groups, partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
+
+
+Sm90Gemm.Grouped = Sm90GroupedGemm
+
+
 def tma_load_op(peers: int):
     """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
     if peers == 1:
@@ -409,9 +468,10 @@ def tma_load_op(peers: int):
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_90a",
-          dump_dir=None, epilogue: Epilogue = STORE):
-    """One compiled kernel per (tiling, operand majors, C dtype, epilogue); see gemm.fake_arguments."""
-    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue)
+          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1):
+    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group);
+    see gemm.fake_arguments."""
+    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue, products)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
@@ -425,7 +485,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_m=256, tile_n=160), True, False, "bfloat16"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
-    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
+    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),    # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
+    (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
 ))
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
 # spills, no 2-byte global accesses (fused epilogues move their tensors by TMA); the stream-K
