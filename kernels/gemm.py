@@ -98,6 +98,21 @@ def audit_builds(family: str, build, cases):
     return builds
 
 
+class GroupedEntry:
+    """Mixin: the entry point of a group of two or three plain products sharing B (see
+    fake_arguments), for an arch's kernel class with `_launch`; a2 and c2 None for two."""
+
+    @cute.jit
+    def __call__(self, a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor | None, b: cute.Tensor, c0: cute.Tensor,
+                 c1: cute.Tensor, c2: cute.Tensor | None, partials: cute.Tensor, flags: cute.Tensor, ctas: Int32,
+                 dp_tiles: Int32, sk_per: Int32, stream):
+        a_groups, c_groups = [a0, a1], [c0, c1]
+        if cutlass.const_expr(a2 is not None):
+            a_groups.append(a2)
+            c_groups.append(c2)
+        self._launch(a_groups, b, c_groups, partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
+
+
 # -- device-side schedule ----------------------------------------------------------------
 
 def work(schedule, tiles, k_tiles, cluster_size):

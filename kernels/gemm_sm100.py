@@ -33,8 +33,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
 from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
-from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, group_tile, owner, publish_partial,
-                   store_partial, store_piece, unit, with_unit_batch, work)
+from .gemm import (GroupedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile, owner,
+                   publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
@@ -440,19 +440,9 @@ class Sm100Gemm:
         return group_tile(self.tiling, tile, tiles_m, tiles_n, coord_vmnk[1], coord_vmnk[2], starts, self.pair)
 
 
-class Sm100GroupedGemm(Sm100Gemm):
+class Sm100GroupedGemm(GroupedEntry, Sm100Gemm):
     """Two or three plain products sharing B in one persistent launch, as on Hopper
     (gemm_sm90.Sm90GroupedGemm, gemm_grouped)."""
-
-    @cute.jit
-    def __call__(self, a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor | None, b: cute.Tensor, c0: cute.Tensor,
-                 c1: cute.Tensor, c2: cute.Tensor | None, partials: cute.Tensor, flags: cute.Tensor, ctas: Int32,
-                 dp_tiles: Int32, sk_per: Int32, stream: cuda.CUstream):
-        a_groups, c_groups = [a0, a1], [c0, c1]
-        if cutlass.const_expr(a2 is not None):
-            a_groups.append(a2)
-            c_groups.append(c2)
-        self._launch(a_groups, b, c_groups, partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
 
 
 Sm100Gemm.Grouped = Sm100GroupedGemm
@@ -469,7 +459,8 @@ def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "
           dump_dir=None, epilogue: Epilogue = STORE, products: int = 1):
     """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group);
     see gemm.fake_arguments."""
-    return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue, products)
+    return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
+                        products)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
@@ -480,7 +471,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(tile_m=64, tile_n=128), True, True, "bfloat16"),
     (GemmTiling(cluster_m=2), True, False, "float32"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
-    (GemmTiling(), True, False, "bfloat16", ADD),    # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
+    (GemmTiling(), True, False, "bfloat16", ADD),
+    # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
 ))
 # tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read

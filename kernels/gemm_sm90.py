@@ -46,8 +46,8 @@ from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
 from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
-from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, group_tile, owner, publish_partial,
-                   store_partial, store_piece, unit, with_unit_batch, work)
+from .gemm import (GroupedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile, owner,
+                   publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
@@ -120,8 +120,8 @@ class Sm90Gemm:
             if cutlass.const_expr(x is not None):
                 op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \
                     else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-                atom, tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(op, with_unit_batch(x),
-                                                                      cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
+                atom, tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    op, with_unit_batch(x), cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
                 fused += (atom, tensor)
 
         # The other products of a group: their A and C, by TMA like the first's.
@@ -131,8 +131,8 @@ class Sm90Gemm:
                 tma_load_op(t.cluster_n), with_unit_batch(a_g), cute.slice_(a_smem, (None, None, 0)),
                 (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
             tma_c_g, tc_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), with_unit_batch(c_g), cute.slice_(c_smem, (None, None, 0)),
-                self.epi_tile)
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), with_unit_batch(c_g),
+                cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
             grouped += (tma_a_g, ta_g, tma_c_g, tc_g)
 
         self.storage = self._storage(a_smem, b_smem, c_smem)
@@ -441,20 +441,10 @@ class Sm90Gemm:
                          [pieces[(None, None, None, slot * self.slot_pieces + i)] for i in range(len(io[0]))], shape)
 
 
-class Sm90GroupedGemm(Sm90Gemm):
+class Sm90GroupedGemm(GroupedEntry, Sm90Gemm):
     """Two or three plain products sharing B in one persistent launch (gemm_grouped):
     C_i = A_i . B^T, their cluster-tile rows stacked along M (gemm.group_tile), so the
     schedule (waves, stream-K) covers them all."""
-
-    @cute.jit
-    def __call__(self, a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor | None, b: cute.Tensor, c0: cute.Tensor,
-                 c1: cute.Tensor, c2: cute.Tensor | None, partials: cute.Tensor, flags: cute.Tensor, ctas: Int32,
-                 dp_tiles: Int32, sk_per: Int32, stream: cuda.CUstream):
-        a_groups, c_groups = [a0, a1], [c0, c1]
-        if cutlass.const_expr(a2 is not None):
-            a_groups.append(a2)
-            c_groups.append(c2)
-        self._launch(a_groups, b, c_groups, partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
 
 
 Sm90Gemm.Grouped = Sm90GroupedGemm
@@ -471,7 +461,8 @@ def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "
           dump_dir=None, epilogue: Epilogue = STORE, products: int = 1):
     """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group);
     see gemm.fake_arguments."""
-    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue, products)
+    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
+                        products)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
@@ -485,7 +476,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_m=256, tile_n=160), True, False, "bfloat16"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
-    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),    # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
+    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
+    # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
 ))
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
