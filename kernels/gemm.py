@@ -35,13 +35,14 @@ def with_unit_batch(t):
 
 
 def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE,
-                   products: int = 1):
+                   products: int = 1, stack: str = "m"):
     """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, out1):
     M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
     tiling shares its build. in0, in1 (the epilogue's inputs) and out1 (its second output) are
     bf16 [M, N] with unit column stride, or None where the epilogue has none. A group of two or
     three `products` sharing B takes (a0, a1, a2, b, c0, c1, c2, partials, ...) instead, each
-    product with its own M (a2 and c2 None for two)."""
+    product with its own M (a2 and c2 None for two); a sum of products into one C (stack "k")
+    takes (a0, a1, a2, b0, b1, b2, c, partials, ...), each with its own K."""
     c_type = C_DTYPES[c_dtype]
     m, n, k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -59,6 +60,14 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     inputs = [mn_tensor() for _ in epilogue.inputs] + [None] * (2 - len(epilogue.inputs))
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
     schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
+    if products > 1 and stack == "k":
+        ks = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
+
+        def term(rows, k_major, k_i):
+            stride = (cute.sym_int64(divisibility=8), 1) if k_major else (1, cute.sym_int64(divisibility=8))
+            return runtime.fake_tensor(BFloat16, (rows, k_i), stride, 16) if k_i is not None else None
+        return (*[term(m, a_k_major, k_i) for k_i in ks], *[term(n, b_k_major, k_i) for k_i in ks], c, *schedule,
+                runtime.env_stream())
     if products > 1:
         rows = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
         a_list = [operand(r, a_k_major) if r is not None else None for r in rows]
@@ -69,33 +78,51 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
 
 
 def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
-                 arch: str, dump_dir=None, epilogue: Epilogue = STORE, products: int = 1):
+                 arch: str, dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
     """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype, epilogue,
-    products: 1, or a group of 2 or 3 sharing B through the class's `Grouped` entry point)."""
+    products: 1, or 2 or 3 stacked along M sharing B (stack "m", the class's `Grouped` entry
+    point) or summed along K into one C (stack "k", `Summed`))."""
     if epilogue is not STORE and c_dtype != "bfloat16":
         raise ValueError(f"the {epilogue.name!r} epilogue writes bf16 C, got {c_dtype}")
     if products not in (1, 2, 3) or products > 1 and epilogue is not STORE:
         raise ValueError(f"a group is 2 or 3 plain products, got {products} with epilogue {epilogue.name!r}")
-    cls = kernel_class if products == 1 else kernel_class.Grouped
-    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue.name, products),
+    cls = kernel_class if products == 1 else kernel_class.Summed if stack == "k" else kernel_class.Grouped
+    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue.name, products, stack),
                                   cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
-                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products),
+                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
 def audit_builds(family: str, build, cases):
     """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
-    K-major?, C dtype[, epilogue[, products in a group]]); a tiling is named by its `spec`, as
-    bench_gemm names it."""
+    K-major?, C dtype[, epilogue[, products in a group[, stack "m" or "k"]]]); a tiling is named
+    by its `spec`, as bench_gemm names it."""
     builds = {}
     for t, ak, bk, c, *rest in cases:
         epilogue, products = rest[0] if rest else STORE, rest[1] if len(rest) > 1 else 1
+        stack = rest[2] if len(rest) > 2 else "m"
         name = f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}" \
                + ("" if epilogue is STORE else f",epilogue {epilogue.name}") \
-               + ("]" if products == 1 else f",{products} products]")
-        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue, g=products: \
-            build(t, ak, bk, c, arch, dump_dir, e, g)
+               + ("]" if products == 1 else f",{products} products {'summed' if stack == 'k' else 'stacked'}]")
+        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue, g=products, s=stack: \
+            build(t, ak, bk, c, arch, dump_dir, e, g, s)
     return builds
+
+
+class SummedEntry:
+    """Mixin: the entry point of a sum of two or three products into one C (see
+    fake_arguments), C = sum_i A_i . B_i^T, their k-tiles laid end to end; a2 and b2 None for two."""
+    k_stacked = True
+
+    @cute.jit
+    def __call__(self, a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor | None, b0: cute.Tensor, b1: cute.Tensor,
+                 b2: cute.Tensor | None, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor, ctas: Int32,
+                 dp_tiles: Int32, sk_per: Int32, stream):
+        a_terms, b_terms = [a0, a1], [b0, b1]
+        if cutlass.const_expr(a2 is not None):
+            a_terms.append(a2)
+            b_terms.append(b2)
+        self._launch(a_terms, b_terms, [c], partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
 
 
 class GroupedEntry:
@@ -110,7 +137,7 @@ class GroupedEntry:
         if cutlass.const_expr(a2 is not None):
             a_groups.append(a2)
             c_groups.append(c2)
-        self._launch(a_groups, b, c_groups, partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
+        self._launch(a_groups, [b], c_groups, partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
 
 
 # -- device-side schedule ----------------------------------------------------------------
@@ -154,6 +181,36 @@ def cta_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair:
     return m * (tiling.cluster_m // pair) + coord_m, n * tiling.cluster_n + coord_n
 
 
+def stacked_index(x, starts):
+    """(which part, x within it) of an index into parts laid end to end: `starts` holds where
+    each part after the first begins (device integers)."""
+    part, first = Int32(0), Int32(0)
+    for start in starts:
+        later = x >= start
+        part = cutlass.select_(later, part + 1, part)
+        first = cutlass.select_(later, start, first)
+    return part, x - first
+
+
+@cute.jit
+def load_k_tile(terms, k_starts, product, m, n, k, a_dst, b_dst, barrier, a_mask, b_mask, products):
+    """The producer's TMA loads of k-tile `k` of tile (m, n) into one ring stage (a_dst, b_dst):
+    for a sum of products (k_starts given) the term holding k supplies A and B; for a group
+    sharing B, `product`'s A (`products`: its (atom, k-tiles) first) and the shared B."""
+    if cutlass.const_expr(len(k_starts) > 0):
+        term, kk = stacked_index(k, k_starts)
+        for i in cutlass.range_constexpr(len(terms)):
+            if term == i:  # warp-uniform
+                cute.copy(terms[i][0], terms[i][1][(None, m, kk, 0)], a_dst, tma_bar_ptr=barrier, mcast_mask=a_mask)
+                cute.copy(terms[i][2], terms[i][3][(None, n, kk, 0)], b_dst, tma_bar_ptr=barrier, mcast_mask=b_mask)
+    else:
+        for i in cutlass.range_constexpr(len(products)):
+            if product == i:  # warp-uniform; a constant True for one product
+                cute.copy(products[i][0], products[i][1][(None, m, k, 0)], a_dst, tma_bar_ptr=barrier,
+                          mcast_mask=a_mask)
+        cute.copy(terms[0][2], terms[0][3][(None, n, k, 0)], b_dst, tma_bar_ptr=barrier, mcast_mask=b_mask)
+
+
 def group_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, starts, pair: int = 1):
     """(product, m, n) for a group of products sharing B, stacked along M in cluster-tile rows:
     `starts` holds the row where each product after the first begins, and m counts from its
@@ -161,12 +218,8 @@ def group_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, sta
     if cutlass.const_expr(len(starts) == 0):
         return (0, *cta_tile(tiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair))
     m, n = tile_coord(tile, tiles_m, tiles_n, tiling.group_m, cutlass.min)
-    product, first = Int32(0), Int32(0)
-    for start in starts:
-        later = m >= start
-        product = cutlass.select_(later, product + 1, product)
-        first = cutlass.select_(later, start, first)
-    return product, (m - first) * (tiling.cluster_m // pair) + coord_m, n * tiling.cluster_n + coord_n
+    product, row = stacked_index(m, starts)
+    return product, row * (tiling.cluster_m // pair) + coord_m, n * tiling.cluster_n + coord_n
 
 
 # -- epilogue pieces ---------------------------------------------------------------------
@@ -284,7 +337,7 @@ def _k_major(t, name):
     raise ValueError(f"{name}: one of the two dimensions must be contiguous, got strides {t.stride()}")
 
 
-def _check(a, b, out, a_name="a", out_name="out"):
+def _check(a, b, out, a_name="a", out_name="out", b_name="b"):
     """The full argument check, with messages that name the argument: run on a shape's first
     call and to explain a call the compiled function's own (C) checks reject."""
     import torch
@@ -292,11 +345,11 @@ def _check(a, b, out, a_name="a", out_name="out"):
     from .checks import check_same_device, check_tensor
 
     check_tensor(a_name, a, dtypes=torch.bfloat16, ndim=2, contiguous=False)
-    check_tensor("b", b, dtypes=torch.bfloat16, ndim=2, contiguous=False)
+    check_tensor(b_name, b, dtypes=torch.bfloat16, ndim=2, contiguous=False)
     (m, k), (n, k_b) = a.shape, b.shape
     if k != k_b:
-        raise ValueError(f"{a_name} is [{m}, {k}] and b is [{n}, {k_b}]: the K extents differ")
-    for name, t in ((a_name, a), ("b", b)):
+        raise ValueError(f"{a_name} is [{m}, {k}] and {b_name} is [{n}, {k_b}]: the K extents differ")
+    for name, t in ((a_name, a), (b_name, b)):
         k_major = _k_major(t, name)
         if t.numel() and k_major and t.stride(0) % 8 or not k_major and t.stride(1) % 8:
             raise ValueError(f"{name}: the non-contiguous stride must be a multiple of 8 elements (16 bytes) "
@@ -306,7 +359,7 @@ def _check(a, b, out, a_name="a", out_name="out"):
         if out.numel() and (out.stride(1) != 1 or out.stride(0) % (16 // out.element_size())):
             raise ValueError(f"{out_name}: expected row-major with a 16-byte multiple row stride, "
                              f"got strides {out.stride()}")
-    check_same_device(**{a_name: a, "b": b, out_name: out})
+    check_same_device(**{a_name: a, b_name: b, out_name: out})
 
 
 _compiled: dict = {}  # (tiling, a K-major?, b K-major?, C dtype, device) -> (TVM-FFI function, max clusters)

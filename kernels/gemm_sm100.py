@@ -33,8 +33,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
 from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
-from .gemm import (GroupedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile, owner,
-                   publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
+from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
+                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
@@ -46,6 +46,7 @@ EPILOGUE_SYNC, TMEM_ALLOC_SYNC = 1, 2
 
 
 class Sm100Gemm:
+    k_stacked = False  # Sm100SummedGemm: several products' k-tiles, one C
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
                  epilogue: Epilogue = STORE):
         tiling.check_sm100()
@@ -78,13 +79,14 @@ class Sm100Gemm:
                  ctas: Int32, dp_tiles: Int32, sk_per: Int32, in0: cute.Tensor | None, in1: cute.Tensor | None,
                  out1: cute.Tensor | None, stream: cuda.CUstream):
         """The same arguments as the Hopper kernel (gemm.fake_arguments)."""
-        self._launch([a], b, [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
+        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
 
-    def _launch(self, a_groups, b, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
-        """The launch for one product, or for a group sharing B (Sm100GroupedGemm)."""
+    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
+        """The launch for one product, a group sharing B (Sm100GroupedGemm) or a sum of products
+        into one C (Sm100SummedGemm)."""
         t = self.tiling
         in0, in1, out1 = extras
-        a, b, c = with_unit_batch(a_groups[0]), with_unit_batch(b), with_unit_batch(c_groups[0])
+        a, b, c = with_unit_batch(a_groups[0]), with_unit_batch(b_groups[0]), with_unit_batch(c_groups[0])
         tiled_mma = self._tiled_mma()
         # (V, M, N, 1) view of the cluster: V = the CTA pair of a 2-CTA MMA
         cluster_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster, 1)), (tiled_mma.thr_id.shape,))
@@ -120,7 +122,15 @@ class Sm100Gemm:
             cute.append(tiled_mma.partition_shape_C(self.mma_tiler[:2]), ACCUMULATORS))
         tmem_columns = cutlass.memory.get_num_tmem_alloc_cols(accumulators)
 
-        grouped = ()  # the other products of a group: their A and C atoms and tensors
+        grouped = ()  # the other products of a group: their A and C atoms and tensors (a sum: A and B)
+        for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
+            tma_a_g, ta_g = cute.nvgpu.make_tiled_tma_atom_A(
+                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), with_unit_batch(a_g),
+                cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            tma_b_g, tb_g = cute.nvgpu.make_tiled_tma_atom_B(
+                sm100.cluster_shape_to_tma_atom_B(self.cluster, tiled_mma.thr_id), with_unit_batch(b_g),
+                cute.slice_(b_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            grouped += (tma_a_g, ta_g, tma_b_g, tb_g)
         for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
             tma_a_g, ta_g = cute.nvgpu.make_tiled_tma_atom_A(
                 sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), with_unit_batch(a_g),
@@ -211,9 +221,26 @@ class Sm100Gemm:
         frag_a, frag_b = tiled_mma.make_fragment_A(s_a), tiled_mma.make_fragment_B(s_b)
         c_of_cta = thr_mma.partition_C(g_c)  # this CTA's rows of every MMA tile of C
         io = self._epilogue_io(storage, fused, thr_mma)
+        # A sum of products: per term (A's atom, its k-tiles, B's atom, its k-tiles), the terms'
+        # k-tiles laid end to end (where each after the first starts)
+        terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
+        if cutlass.const_expr(self.k_stacked):
+            for i in cutlass.range_constexpr(0, len(grouped), 4):
+                g_a_i = cute.local_tile(grouped[i + 1], cute.slice_(self.mma_tiler, (None, 0, None)),
+                                        (None, None, None))
+                g_b_i = cute.local_tile(grouped[i + 3], cute.slice_(self.mma_tiler, (0, None, None)),
+                                        (None, None, None))
+                terms.append((grouped[i], cpasync.tma_partition(
+                    grouped[i], coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
+                    cute.group_modes(s_a, 0, 3), cute.group_modes(thr_mma.partition_A(g_a_i), 0, 3))[1],
+                    grouped[i + 2], cpasync.tma_partition(
+                    grouped[i + 2], coord_vmnk[1], cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape),
+                    cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b_i), 0, 3))[1]))
+                k_starts.append(k_tiles)
+                k_tiles = k_tiles + cute.size(g_a_i, mode=[3])
         # A group of products: per product (A's atom, its k-tiles, C's atom, this CTA's rows of C)
         products = [(tma_a, t_ga, tma_c, c_of_cta)]
-        for i in cutlass.range_constexpr(0, len(grouped), 4):
+        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
             g_a_i = cute.local_tile(grouped[i + 1], cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
             g_c_i = cute.local_tile(grouped[i + 3], cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
             products.append((grouped[i], cpasync.tma_partition(
@@ -225,7 +252,7 @@ class Sm100Gemm:
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m // self.pair)
         tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
         starts = []
-        for i in cutlass.range_constexpr(0, len(grouped), 4):
+        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
             starts.append(tiles_m)
             tiles_m = tiles_m + cute.ceil_div(cute.size(grouped[i + 3], mode=[0]),
                                               self.mma_tiler[0] * (t.cluster_m // self.pair))
@@ -244,12 +271,8 @@ class Sm100Gemm:
                 for k in cutlass.range(k_begin, k_end):
                     ring.producer_acquire(state)
                     barrier = ring.producer_get_barrier(state)
-                    for i in cutlass.range_constexpr(len(products)):
-                        if product == i:  # a constant True for one product
-                            cute.copy(products[i][0], products[i][1][(None, m, k, 0)], t_sa[(None, state.index)],
-                                      tma_bar_ptr=barrier, mcast_mask=a_mask)
-                    cute.copy(tma_b, t_gb[(None, n, k, 0)], t_sb[(None, state.index)], tma_bar_ptr=barrier,
-                              mcast_mask=b_mask)
+                    load_k_tile(terms, k_starts, product, m, n, k, t_sa[(None, state.index)], t_sb[(None, state.index)],
+                                barrier, a_mask, b_mask, products)
                     ring.producer_commit(state)
                     state.advance()
             ring.producer_tail(state)
@@ -445,7 +468,11 @@ class Sm100GroupedGemm(GroupedEntry, Sm100Gemm):
     (gemm_sm90.Sm90GroupedGemm, gemm_grouped)."""
 
 
-Sm100Gemm.Grouped = Sm100GroupedGemm
+class Sm100SummedGemm(SummedEntry, Sm100Gemm):
+    """C = sum_i A_i . B_i^T in one launch, as on Hopper (gemm_sm90.Sm90SummedGemm)."""
+
+
+Sm100Gemm.Grouped, Sm100Gemm.Summed = Sm100GroupedGemm, Sm100SummedGemm
 
 
 def _smem_load_op(op):
@@ -456,11 +483,11 @@ def _smem_load_op(op):
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",
-          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1):
-    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group);
-    see gemm.fake_arguments."""
+          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
+    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group
+    and how they are stacked); see gemm.fake_arguments."""
     return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
-                        products)
+                        products, stack)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
@@ -474,6 +501,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(), True, False, "bfloat16", ADD),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
+    # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", STORE, 3, "k"),
 ))
 # tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read
 # back with LDTM, TMA-store epilogue, no spills, no float atomics, no 2-byte global accesses

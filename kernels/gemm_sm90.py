@@ -46,14 +46,15 @@ from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
 from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
-from .gemm import (GroupedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile, owner,
-                   publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
+from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
+                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 
 
 class Sm90Gemm:
+    k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
                  epilogue: Epilogue = STORE):
         tiling.check_sm90()
@@ -88,14 +89,14 @@ class Sm90Gemm:
         CTA (layouts.gemm.stream_k_plan), their partial tiles through `partials` [ctas, tile
         elements] and the ready `flags` [ctas] (zero between calls). in0, in1, out1: the
         epilogue's [M, N] inputs and second output (None where it has none)."""
-        self._launch([a], b, [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
+        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
 
-    def _launch(self, a_groups, b, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
-        """The launch for one product, or for a group of products sharing B (one A and one C
-        each: Sm90GroupedGemm)."""
+    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
+        """The launch for one product, for a group of products sharing B (one A and one C each:
+        Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm)."""
         t = self.tiling
         in0, in1, out1 = extras
-        b = with_unit_batch(b)
+        b = with_unit_batch(b_groups[0])
         a, c = with_unit_batch(a_groups[0]), with_unit_batch(c_groups[0])
         tiled_mma = sm90.make_trivial_tiled_mma(
             BFloat16, BFloat16, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
@@ -124,8 +125,16 @@ class Sm90Gemm:
                     op, with_unit_batch(x), cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
                 fused += (atom, tensor)
 
-        # The other products of a group: their A and C, by TMA like the first's.
+        # The other products of a group: their A and C (a sum: their A and B), by TMA like the first's.
         grouped = ()
+        for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
+            tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                tma_load_op(t.cluster_n), with_unit_batch(a_g), cute.slice_(a_smem, (None, None, 0)),
+                (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
+            tma_b_g, tb_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                tma_load_op(t.cluster_m), with_unit_batch(b_g), cute.slice_(b_smem, (None, None, 0)),
+                (t.tile_n, t.tile_k), num_multicast=t.cluster_m)
+            grouped += (tma_a_g, ta_g, tma_b_g, tb_g)
         for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
             tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 tma_load_op(t.cluster_n), with_unit_batch(a_g), cute.slice_(a_smem, (None, None, 0)),
@@ -199,17 +208,31 @@ class Sm90Gemm:
         g_c = cute.local_tile(m_c, (t.tile_m, t.tile_n), (None, None, None))
         t_sa, t_ga = cute.nvgpu.cpasync.tma_partition(tma_a, cluster_coord[1], cute.make_layout(t.cluster_n),
                                                       cute.group_modes(s_a, 0, 2), cute.group_modes(g_a, 0, 2))
+        t_sb, t_gb = cute.nvgpu.cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(t.cluster_m),
+                                                      cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
+        k_tiles = cute.size(g_a, mode=[3])
+        # A sum of products: per term (A's atom, its k-tiles, B's atom, its k-tiles), the terms'
+        # k-tiles laid end to end (where each after the first starts)
+        terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
+        if cutlass.const_expr(self.k_stacked):
+            for i in cutlass.range_constexpr(0, len(grouped), 4):
+                g_a_i = cute.local_tile(grouped[i + 1], (t.tile_m, t.tile_k), (None, None, None))
+                g_b_i = cute.local_tile(grouped[i + 3], (t.tile_n, t.tile_k), (None, None, None))
+                terms.append((grouped[i], cute.nvgpu.cpasync.tma_partition(
+                    grouped[i], cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
+                    cute.group_modes(g_a_i, 0, 2))[1], grouped[i + 2], cute.nvgpu.cpasync.tma_partition(
+                    grouped[i + 2], cluster_coord[0], cute.make_layout(t.cluster_m), cute.group_modes(s_b, 0, 2),
+                    cute.group_modes(g_b_i, 0, 2))[1]))
+                k_starts.append(k_tiles)
+                k_tiles = k_tiles + cute.size(g_a_i, mode=[3])
         # A group of products: per product (A's TMA atom, its k-tiles, C's atom, C's tiles)
         products = [(tma_a, t_ga, tma_c, g_c)]
-        for i in cutlass.range_constexpr(0, len(grouped), 4):
+        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
             g_a_i = cute.local_tile(grouped[i + 1], (t.tile_m, t.tile_k), (None, None, None))
             products.append((grouped[i], cute.nvgpu.cpasync.tma_partition(
                 grouped[i], cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
                 cute.group_modes(g_a_i, 0, 2))[1], grouped[i + 2],
                 cute.local_tile(grouped[i + 3], (t.tile_m, t.tile_n), (None, None, None))))
-        t_sb, t_gb = cute.nvgpu.cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(t.cluster_m),
-                                                      cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
-        k_tiles = cute.size(g_a, mode=[3])
         # The schedule deals out cluster tiles (cluster_m x cluster_n CTA tiles); a CTA whose
         # tile lies past M or N still loads its share for its peers (TMA fills zeros, stores clip).
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m)
@@ -233,13 +256,10 @@ class Sm90Gemm:
                     for k in cutlass.range(k_begin, k_end):
                         ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
-                        for i in cutlass.range_constexpr(len(products)):
-                            if product == i:  # warp-uniform; a constant True for one product
-                                cute.copy(products[i][0], products[i][1][(None, m, k, 0)], t_sa[(None, state.index)],
-                                          tma_bar_ptr=barrier,
-                                          mcast_mask=a_peers if cutlass.const_expr(t.cluster_n > 1) else 0)
-                        cute.copy(tma_b, t_gb[(None, n, k, 0)], t_sb[(None, state.index)], tma_bar_ptr=barrier,
-                                  mcast_mask=b_peers if cutlass.const_expr(t.cluster_m > 1) else 0)
+                        a_mask = a_peers if cutlass.const_expr(t.cluster_n > 1) else 0
+                        b_mask = b_peers if cutlass.const_expr(t.cluster_m > 1) else 0
+                        load_k_tile(terms, k_starts, product, m, n, k, t_sa[(None, state.index)],
+                                    t_sb[(None, state.index)], barrier, a_mask, b_mask, products)
                         ring.producer_commit(state)
                         state.advance()
                 ring.producer_tail(state)
@@ -447,7 +467,12 @@ class Sm90GroupedGemm(GroupedEntry, Sm90Gemm):
     schedule (waves, stream-K) covers them all."""
 
 
-Sm90Gemm.Grouped = Sm90GroupedGemm
+class Sm90SummedGemm(SummedEntry, Sm90Gemm):
+    """C = sum_i A_i . B_i^T for two or three products in one launch (gemm_grouped): the terms'
+    k-tiles laid end to end, one accumulator, one C."""
+
+
+Sm90Gemm.Grouped, Sm90Gemm.Summed = Sm90GroupedGemm, Sm90SummedGemm
 
 
 def tma_load_op(peers: int):
@@ -458,11 +483,11 @@ def tma_load_op(peers: int):
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_90a",
-          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1):
-    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group);
-    see gemm.fake_arguments."""
+          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
+    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group
+    and how they are stacked); see gemm.fake_arguments."""
     return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
-                        products)
+                        products, stack)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
@@ -479,6 +504,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
+    # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", STORE, 3, "k"),
 ))
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
 # spills, no 2-byte global accesses (fused epilogues move their tensors by TMA); the stream-K
