@@ -47,6 +47,7 @@ EPILOGUE_SYNC, TMEM_ALLOC_SYNC = 1, 2
 
 class Sm100Gemm:
     k_stacked = False  # Sm100SummedGemm: several products' k-tiles, one C
+
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
                  epilogue: Epilogue = STORE):
         tiling.check_sm100()

@@ -55,6 +55,7 @@ CONSUMER_REGISTERS = 232
 
 class Sm90Gemm:
     k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
+
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
                  epilogue: Epilogue = STORE):
         tiling.check_sm90()
