@@ -41,6 +41,14 @@ def check_same_device(**tensors) -> None:
         raise ValueError(f"all tensors must be on one device: {listing}")
 
 
+def check_tma_rows(name: str, t) -> None:
+    """A [rows, cols] tensor a TMA tile copy reads or writes in place: row-major, with a row
+    stride that is a multiple of 16 bytes."""
+    if t.numel() and (t.stride(1) != 1 or t.stride(0) % (16 // t.element_size())):
+        raise ValueError(f"{name}: expected row-major with a 16-byte multiple row stride (TMA), "
+                         f"got strides {t.stride()}")
+
+
 def check_row_strides(name: str, t, vector: int) -> None:
     """A [b, s, H] tensor the row kernels can read in place: contiguous last dimension and
     batch/seq strides that are multiples of `vector` elements (vector-aligned row starts)."""

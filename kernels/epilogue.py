@@ -103,7 +103,7 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
     product's device."""
     import torch
 
-    from .checks import check_same_device, check_tensor
+    from .checks import check_same_device, check_tensor, check_tma_rows
 
     if len(inputs) != len(epilogue.inputs):
         raise ValueError(f"epilogue {epilogue.name!r} reads {len(epilogue.inputs)} inputs {epilogue.inputs}, "
@@ -116,9 +116,7 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
             raise ValueError(f"{name}: the {epilogue.name!r} epilogue needs it")
     for name, t in named.items():
         check_tensor(name, t, dtypes=torch.bfloat16, shape=(m, n), contiguous=False, align=16)
-        if t.numel() and (t.stride(1) != 1 or t.stride(0) % 8):
-            raise ValueError(f"{name}: expected row-major with a 16-byte multiple row stride (TMA), "
-                             f"got strides {t.stride()}")
+        check_tma_rows(name, t)
     check_same_device(**named)
     if named and next(iter(named.values())).device != device:
         raise ValueError(f"the epilogue tensors are on {next(iter(named.values())).device}, the operands on {device}")

@@ -342,7 +342,7 @@ def _check(a, b, out, a_name="a", out_name="out", b_name="b"):
     call and to explain a call the compiled function's own (C) checks reject."""
     import torch
 
-    from .checks import check_same_device, check_tensor
+    from .checks import check_same_device, check_tensor, check_tma_rows
 
     check_tensor(a_name, a, dtypes=torch.bfloat16, ndim=2, contiguous=False)
     check_tensor(b_name, b, dtypes=torch.bfloat16, ndim=2, contiguous=False)
@@ -356,14 +356,14 @@ def _check(a, b, out, a_name="a", out_name="out", b_name="b"):
                              f"for TMA, got strides {t.stride()}")
     if out is not None:
         check_tensor(out_name, out, dtypes=(torch.bfloat16, torch.float32), shape=(m, n), contiguous=False)
-        if out.numel() and (out.stride(1) != 1 or out.stride(0) % (16 // out.element_size())):
-            raise ValueError(f"{out_name}: expected row-major with a 16-byte multiple row stride, "
-                             f"got strides {out.stride()}")
+        check_tma_rows(out_name, out)
     check_same_device(**{a_name: a, b_name: b, out_name: out})
 
 
-_compiled: dict = {}  # (tiling, a K-major?, b K-major?, C dtype, device) -> (TVM-FFI function, max clusters)
-_calls: dict = {}  # (M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked) -> _Call
+# (tiling, a K-major?, b K-major?, C dtype, device, epilogue) -> (TVM-FFI function, max clusters)
+_compiled: dict = {}
+# (M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k asked, epilogue) -> _Call
+_calls: dict = {}
 
 
 MIN_ITERATIONS = 4  # k-iterations a stream-K share must have to be worth its partial-tile traffic
@@ -471,6 +471,8 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
 
     c_dtype = "float32" if (out is not None and out.dtype == torch.float32) or out_dtype == torch.float32 \
         else "bfloat16"
+    if epilogue == "add" and out is None:  # before the lookup: a cached shape must refuse it too
+        raise ValueError(ADD_NEEDS_OUT)
     try:
         (m, k), n = a.shape, b.shape[0]
         call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k, epilogue]
@@ -478,15 +480,11 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         kind = KINDS.get(epilogue)
         if kind is None:
             raise ValueError(f"epilogue: one of {sorted(KINDS)}, got {epilogue!r}") from None
-        if kind is ADD and out is None:
-            raise ValueError(ADD_NEEDS_OUT)
         call = _resolve(a, b, out, tiling, c_dtype, stream_k, kind, (out,) if kind is ADD else inputs, out2)
         (m, k), n = a.shape, b.shape[0]
     if epilogue == "store":
         extras = (None, None, None)
     elif epilogue == "add":
-        if out is None:
-            raise ValueError(ADD_NEEDS_OUT)
         extras = (out, None, None)
     else:
         if out2 is None:

@@ -80,7 +80,8 @@ def _without_empty_products(a_list, b, outs, out_dtype, tiling, stream_k):
 
 
 def _check_all(a_list, b, outs):
-    """Each product's arguments (named a_list[i], outs[i]), and one majorness and dtype for all."""
+    """Each product's arguments (named a_list[i], outs[i]; each on B's device, so all on one),
+    and one majorness and dtype for all."""
     for i, (a, out) in enumerate(zip(a_list, outs)):
         _check(a, b, out, a_name=f"a_list[{i}]", out_name=f"outs[{i}]")
     majors = {_k_major(a, f"a_list[{i}]") for i, a in enumerate(a_list)}
@@ -88,8 +89,6 @@ def _check_all(a_list, b, outs):
         raise ValueError("a_list: every operand K-major, or every one M-major (one build runs them all)")
     if len({o.dtype for o in outs if o is not None}) > 1:
         raise ValueError("outs: one dtype for all results")
-    if len({a.device for a in a_list}) > 1:
-        raise ValueError(f"a_list: all on one device, got {[str(a.device) for a in a_list]}")
 
 
 def _resolve(a_list, b, outs, tiling, c_dtype, stream_k):

@@ -67,9 +67,9 @@ class Sm100Gemm:
         self.threads = 32 * (len(EPILOGUE_WARPS) + 2)
         inputs, outputs = len(epilogue.inputs), len(epilogue.outputs)
         # A fused epilogue works each subtile in a slot of C's shared memory, as on Hopper
-        # (layouts.gemm fused_epilogue_buffers; the four epilogue warps are one team).
+        # (layouts.gemm staging_buffers; the four epilogue warps are one team).
         self.slot_pieces = max(inputs, outputs)
-        self.c_buffers = tiling.epilogue_input_stages * self.slot_pieces if inputs else tiling.epilogue_stages
+        self.c_buffers = tiling.staging_buffers(inputs, outputs)
 
     def _tiled_mma(self):
         return sm100.make_trivial_tiled_mma(BFloat16, BFloat16, self.a_major, self.b_major, Float32, self.cta_group,

@@ -70,9 +70,9 @@ class Sm90Gemm:
         self.threads = WARPGROUP * (1 + self.consumers)
         self.teams = 2 if tiling.pingpong else 1
         inputs, outputs = len(epilogue.inputs), len(epilogue.outputs)
-        # a fused epilogue's slots: max(inputs, outputs) pieces each (see fused_epilogue_buffers)
+        # a fused epilogue's slots: max(inputs, outputs) pieces each (see staging_buffers)
         self.slot_pieces = max(inputs, outputs)
-        self.c_buffers = tiling.fused_epilogue_buffers(inputs, outputs) if inputs else tiling.epilogue_buffers()
+        self.c_buffers = tiling.staging_buffers(inputs, outputs)
         self.stages = tiling.mainloop_stages(SM90_SMEM_BYTES, c_dtype.width // 8, inputs, outputs)
         if self.stages < 2:
             raise ValueError(f"tiling {tiling.spec}: the {epilogue.name!r} epilogue leaves shared memory for "
@@ -116,7 +116,7 @@ class Sm90Gemm:
         tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
         # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
-        # stores, all through the pieces of C's shared memory (fused_epilogue_buffers).
+        # stores, all through the pieces of C's shared memory (staging_buffers).
         fused = ()
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
@@ -308,7 +308,8 @@ class Sm90Gemm:
         # -> TMA store. The stmatrix atom also fixes the thread-to-tile mapping for fp32 C.
         store_atom = sm90.get_smem_store_op(self.c_layout, self.c_dtype, Float32)
         c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        r2s = cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
+        c_copy = cute.make_tiled_copy_C_atom(c_atom, tiled_mma)  # the accumulators' thread-to-element map
+        r2s = cute.make_tiled_copy_S(store_atom, c_copy)
         thr_r2s = r2s.get_slice(thread)
         r2s_dst = thr_r2s.partition_D(s_c)
         r2s_acc = r2s.retile(acc)
@@ -316,7 +317,7 @@ class Sm90Gemm:
         # A fused epilogue's input pieces come out of shared memory by ldmatrix, onto the same
         # thread-to-element mapping as the accumulators (stmatrix's inverse).
         s2r = cute.make_tiled_copy_S(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), BFloat16),
-                                     cute.make_tiled_copy_C_atom(c_atom, tiled_mma)).get_slice(thread)
+                                     c_copy).get_slice(thread)
         is_store_warp = warp == WARPGROUP // 32 * (1 + team)  # the team's first warp
         team_sync = pipeline.NamedBarrier(barrier_id=1 + team, num_threads=team_threads)
         # Pingpong turns: a warpgroup arrives on the other's barrier once it has issued a unit's

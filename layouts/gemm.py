@@ -31,7 +31,7 @@ class GemmTiling:
     cluster_n: int = 1
     epilogue_stages: int = 2
     # Hopper fused epilogues: slots of input pieces per team, TMA-loaded ahead (the first ones
-    # while the tile's MMAs run); see fused_epilogue_buffers.
+    # while the tile's MMAs run); see staging_buffers.
     epilogue_input_stages: int = 2
     # Persistent tile order: tiles go out in groups of `group_m` tile rows, walking M inside a
     # group, so CTAs working at the same time share B panels and a few A panels in L2.
@@ -126,11 +126,14 @@ class GemmTiling:
         """Shared-memory staging buffers of C: `epilogue_stages` for each team storing on its own."""
         return self.epilogue_stages * (2 if self.pingpong else 1)
 
-    def fused_epilogue_buffers(self, inputs: int, outputs: int) -> int:
-        """Hopper, fused epilogue: shared-memory pieces in place of C's staging buffers. Each team
-        has a ring of `epilogue_input_stages` slots; a slot holds a piece of every input (TMA-
-        loaded ahead), then the same piece of every output (written over the inputs once they
-        are read, TMA-stored from there)."""
+    def staging_buffers(self, inputs: int = 0, outputs: int = 1) -> int:
+        """C's shared-memory pieces, both arches: `epilogue_buffers()` for the plain store; for a
+        fused epilogue with `inputs` extra inputs, slots in their place: each team has a ring of
+        `epilogue_input_stages` slots, a slot holding a piece of every input (TMA-loaded ahead),
+        then the same piece of every output (written over the inputs once they are read,
+        TMA-stored from there)."""
+        if not inputs:
+            return self.epilogue_buffers()
         return (2 if self.pingpong else 1) * self.epilogue_input_stages * max(inputs, outputs)
 
     def mainloop_stages(self, smem_bytes: int, c_bytes: int = 2, inputs: int = 0, outputs: int = 1) -> int:
@@ -138,8 +141,7 @@ class GemmTiling:
         epilogue with `inputs` extra bf16 inputs and `outputs` results, if any)."""
         stage = (self.tile_m + self.tile_n) * self.tile_k * 2
         epilogue_m, epilogue_n = self.epilogue_tile()
-        buffers = self.fused_epilogue_buffers(inputs, outputs) if inputs else self.epilogue_buffers()
-        return (smem_bytes - buffers * epilogue_m * epilogue_n * c_bytes) // stage
+        return (smem_bytes - self.staging_buffers(inputs, outputs) * epilogue_m * epilogue_n * c_bytes) // stage
 
 
 def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
