@@ -81,10 +81,10 @@ def _without_empty_products(a_list, b, outs, out_dtype, tiling, stream_k):
 
 def _check_all(a_list, b, outs):
     """Each product's arguments (named a_list[i], outs[i]; each on B's device, so all on one),
-    and one majorness and dtype for all."""
+    and one majorness (an empty operand is never read: any) and dtype for all."""
     for i, (a, out) in enumerate(zip(a_list, outs)):
         _check(a, b, out, a_name=f"a_list[{i}]", out_name=f"outs[{i}]")
-    majors = {_k_major(a, f"a_list[{i}]") for i, a in enumerate(a_list)}
+    majors = {_k_major(a, f"a_list[{i}]") for i, a in enumerate(a_list) if a.numel()}
     if len(majors) > 1:
         raise ValueError("a_list: every operand K-major, or every one M-major (one build runs them all)")
     if len({o.dtype for o in outs if o is not None}) > 1:
@@ -184,8 +184,8 @@ def _check_terms(pairs, out):
     shapes = {(a.shape[0], b.shape[0]) for a, b in pairs}
     if len(shapes) > 1:
         raise ValueError(f"pairs: every term [M, K_i] . [N, K_i]^T with one M and N, got (M, N) {sorted(shapes)}")
-    for side, name in ((0, "a"), (1, "b")):
-        if len({_k_major(p[side], f"pairs[{i}][{side}]") for i, p in enumerate(pairs)}) > 1:
+    for side, name in ((0, "a"), (1, "b")):  # an empty term is never read: any majorness
+        if len({_k_major(p[side], f"pairs[{i}][{side}]") for i, p in enumerate(pairs) if p[side].numel()}) > 1:
             raise ValueError(f"pairs: every {name} K-major, or every one the other way (one build runs them all)")
     if len({t.device for p in pairs for t in p}) > 1:
         raise ValueError("pairs: all on one device")
