@@ -54,8 +54,10 @@ def _sigmoid(x):
 
 
 def _dswiglu(g_sw, gate, up):
+    # g_sw * sig once: g_gate = gs * up, g_up = gs * gate * (1 + up - up * sig) (one FFMA)
     sig = _sigmoid(up)
-    return g_sw * (up * sig), g_sw * gate * sig * (1.0 + up * (1.0 - sig))
+    gs = g_sw * sig
+    return gs * up, gs * gate * (1.0 + (up - up * sig))
 
 
 _APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu}

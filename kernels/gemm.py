@@ -34,11 +34,15 @@ def with_unit_batch(t):
     return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
 
 
-def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE):
+def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE,
+                   products: int = 1, stack: str = "m"):
     """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, out1):
     M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
     tiling shares its build. in0, in1 (the epilogue's inputs) and out1 (its second output) are
-    bf16 [M, N] with unit column stride, or None where the epilogue has none."""
+    bf16 [M, N] with unit column stride, or None where the epilogue has none. A group of two or
+    three `products` sharing B takes (a0, a1, a2, b, c0, c1, c2, partials, ...) instead, each
+    product with its own M (a2 and c2 None for two); a sum of products into one C (stack "k")
+    takes (a0, a1, a2, b0, b1, b2, c, partials, ...), each with its own K."""
     c_type = C_DTYPES[c_dtype]
     m, n, k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -55,31 +59,85 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     flags = runtime.fake_tensor(Int32, (slots,), (1,), 4)
     inputs = [mn_tensor() for _ in epilogue.inputs] + [None] * (2 - len(epilogue.inputs))
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
-    return (operand(m, a_k_major), operand(n, b_k_major), c, partials, flags, Int32(132), Int32(0), Int32(0),
-            *inputs, out1, runtime.env_stream())
+    schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
+    if products > 1 and stack == "k":
+        ks = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
+
+        def term(rows, k_major, k_i):
+            stride = (cute.sym_int64(divisibility=8), 1) if k_major else (1, cute.sym_int64(divisibility=8))
+            return runtime.fake_tensor(BFloat16, (rows, k_i), stride, 16) if k_i is not None else None
+        return (*[term(m, a_k_major, k_i) for k_i in ks], *[term(n, b_k_major, k_i) for k_i in ks], c, *schedule,
+                runtime.env_stream())
+    if products > 1:
+        rows = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
+        a_list = [operand(r, a_k_major) if r is not None else None for r in rows]
+        c_list = [runtime.fake_tensor(c_type, (r, n), (cute.sym_int64(divisibility=128 // c_type.width), 1), 16)
+                  if r is not None else None for r in rows]
+        return (*a_list, operand(n, b_k_major), *c_list, *schedule, runtime.env_stream())
+    return (operand(m, a_k_major), operand(n, b_k_major), c, *schedule, *inputs, out1, runtime.env_stream())
 
 
 def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
-                 arch: str, dump_dir=None, epilogue: Epilogue = STORE):
-    """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype, epilogue)."""
+                 arch: str, dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
+    """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype, epilogue,
+    products: 1, or 2 or 3 stacked along M sharing B (stack "m", the class's `Grouped` entry
+    point) or summed along K into one C (stack "k", `Summed`))."""
     if epilogue is not STORE and c_dtype != "bfloat16":
         raise ValueError(f"the {epilogue.name!r} epilogue writes bf16 C, got {c_dtype}")
-    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue.name),
-                                  kernel_class(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
-                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue), arch=arch,
-                                  dump_dir=dump_dir, tvm_ffi=True)
+    if products not in (1, 2, 3) or products > 1 and epilogue is not STORE:
+        raise ValueError(f"a group is 2 or 3 plain products, got {products} with epilogue {epilogue.name!r}")
+    cls = kernel_class if products == 1 else kernel_class.Summed if stack == "k" else kernel_class.Grouped
+    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue.name, products, stack),
+                                  cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
+                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack),
+                                  arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
 def audit_builds(family: str, build, cases):
     """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
-    K-major?, C dtype[, epilogue]); a tiling is named by its `spec`, as bench_gemm names it."""
+    K-major?, C dtype[, epilogue[, products in a group[, stack "m" or "k"]]]); a tiling is named
+    by its `spec`, as bench_gemm names it."""
     builds = {}
     for t, ak, bk, c, *rest in cases:
-        epilogue = rest[0] if rest else STORE
+        epilogue, products = rest[0] if rest else STORE, rest[1] if len(rest) > 1 else 1
+        stack = rest[2] if len(rest) > 2 else "m"
         name = f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}" \
-               + ("]" if epilogue is STORE else f",epilogue {epilogue.name}]")
-        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue: build(t, ak, bk, c, arch, dump_dir, e)
+               + ("" if epilogue is STORE else f",epilogue {epilogue.name}") \
+               + ("]" if products == 1 else f",{products} products {'summed' if stack == 'k' else 'stacked'}]")
+        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue, g=products, s=stack: \
+            build(t, ak, bk, c, arch, dump_dir, e, g, s)
     return builds
+
+
+class SummedEntry:
+    """Mixin: the entry point of a sum of two or three products into one C (see
+    fake_arguments), C = sum_i A_i . B_i^T, their k-tiles laid end to end; a2 and b2 None for two."""
+    k_stacked = True
+
+    @cute.jit
+    def __call__(self, a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor | None, b0: cute.Tensor, b1: cute.Tensor,
+                 b2: cute.Tensor | None, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor, ctas: Int32,
+                 dp_tiles: Int32, sk_per: Int32, stream):
+        a_terms, b_terms = [a0, a1], [b0, b1]
+        if cutlass.const_expr(a2 is not None):
+            a_terms.append(a2)
+            b_terms.append(b2)
+        self._launch(a_terms, b_terms, [c], partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
+
+
+class GroupedEntry:
+    """Mixin: the entry point of a group of two or three plain products sharing B (see
+    fake_arguments), for an arch's kernel class with `_launch`; a2 and c2 None for two."""
+
+    @cute.jit
+    def __call__(self, a0: cute.Tensor, a1: cute.Tensor, a2: cute.Tensor | None, b: cute.Tensor, c0: cute.Tensor,
+                 c1: cute.Tensor, c2: cute.Tensor | None, partials: cute.Tensor, flags: cute.Tensor, ctas: Int32,
+                 dp_tiles: Int32, sk_per: Int32, stream):
+        a_groups, c_groups = [a0, a1], [c0, c1]
+        if cutlass.const_expr(a2 is not None):
+            a_groups.append(a2)
+            c_groups.append(c2)
+        self._launch(a_groups, [b], c_groups, partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
 
 
 # -- device-side schedule ----------------------------------------------------------------
@@ -123,16 +181,59 @@ def cta_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair:
     return m * (tiling.cluster_m // pair) + coord_m, n * tiling.cluster_n + coord_n
 
 
+def stacked_index(x, starts):
+    """(which part, x within it) of an index into parts laid end to end: `starts` holds where
+    each part after the first begins (device integers)."""
+    part, first = Int32(0), Int32(0)
+    for start in starts:
+        later = x >= start
+        part = cutlass.select_(later, part + 1, part)
+        first = cutlass.select_(later, start, first)
+    return part, x - first
+
+
+@cute.jit
+def load_k_tile(terms, k_starts, product, m, n, k, a_dst, b_dst, barrier, a_mask, b_mask, products):
+    """The producer's TMA loads of k-tile `k` of tile (m, n) into one ring stage (a_dst, b_dst):
+    for a sum of products (k_starts given) the term holding k supplies A and B; for a group
+    sharing B, `product`'s A (`products`: its (atom, k-tiles) first) and the shared B."""
+    if cutlass.const_expr(len(k_starts) > 0):
+        term, kk = stacked_index(k, k_starts)
+        for i in cutlass.range_constexpr(len(terms)):
+            if term == i:  # warp-uniform
+                cute.copy(terms[i][0], terms[i][1][(None, m, kk, 0)], a_dst, tma_bar_ptr=barrier, mcast_mask=a_mask)
+                cute.copy(terms[i][2], terms[i][3][(None, n, kk, 0)], b_dst, tma_bar_ptr=barrier, mcast_mask=b_mask)
+    else:
+        for i in cutlass.range_constexpr(len(products)):
+            if product == i:  # warp-uniform; a constant True for one product
+                cute.copy(products[i][0], products[i][1][(None, m, k, 0)], a_dst, tma_bar_ptr=barrier,
+                          mcast_mask=a_mask)
+        cute.copy(terms[0][2], terms[0][3][(None, n, k, 0)], b_dst, tma_bar_ptr=barrier, mcast_mask=b_mask)
+
+
+def group_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, starts, pair: int = 1):
+    """(product, m, n) for a group of products sharing B, stacked along M in cluster-tile rows:
+    `starts` holds the row where each product after the first begins, and m counts from its
+    product's first row. With one product (no starts) this is (0, *cta_tile(...))."""
+    if cutlass.const_expr(len(starts) == 0):
+        return (0, *cta_tile(tiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair))
+    m, n = tile_coord(tile, tiles_m, tiles_n, tiling.group_m, cutlass.min)
+    product, row = stacked_index(m, starts)
+    return product, row * (tiling.cluster_m // pair) + coord_m, n * tiling.cluster_n + coord_n
+
+
 # -- epilogue pieces ---------------------------------------------------------------------
 
 @cute.jit
-def store_piece(values, c_dtype, r2s, r2s_dst, buffer, tma_c, s_piece, g_piece, sync, stores, is_store_warp,
+def store_piece(values, c_dtype, r2s, r2s_dst, buffer, targets, s_piece, product, sync, stores, is_store_warp,
                 more=(), refill=None):
     """One epilogue piece: fp32 `values` (this thread's share, in r2s's source layout) -> C type
-    -> shared memory `buffer` -> TMA store of the piece by one warp. `more`: further bf16 outputs
-    as (fp32 TensorSSA values, r2s destination buffer, tma, s_piece, g_piece), stored in the same
-    bulk group. `refill()`: run by the store warp once the stores have read shared memory (a
-    fused epilogue's next input load into the same buffers)."""
+    -> shared memory `buffer` (`s_piece` as the TMA sees it) -> TMA store of the piece by one
+    warp to `targets[product]`, a (TMA atom, global piece) (several for a group of products:
+    `product` picks one). `more`: further bf16 outputs as (fp32 TensorSSA values, r2s
+    destination buffer, tma, s_piece, g_piece), stored in the same bulk group. `refill()`: run
+    by the store warp once the stores have read shared memory (a fused epilogue's next input
+    load into the same buffers)."""
     for vals, dst, dtype in ((values.load(), r2s_dst[(None, None, None, buffer)], c_dtype),
                              *((v, d, BFloat16) for v, d, *_ in more)):
         piece_c = cute.make_rmem_tensor(values.shape, dtype)
@@ -142,7 +243,12 @@ def store_piece(values, c_dtype, r2s, r2s_dst, buffer, tma_c, s_piece, g_piece, 
     cute.arch.fence_proxy("async.shared", space="cta")
     sync.arrive_and_wait()
     if is_store_warp:
-        cute.copy(tma_c, s_piece, g_piece)
+        if cutlass.const_expr(len(targets) == 1):
+            cute.copy(targets[0][0], s_piece, targets[0][1])
+        else:
+            for i in cutlass.range_constexpr(len(targets)):
+                if product == i:
+                    cute.copy(targets[i][0], s_piece, targets[i][1])
         for _, _, tma, s_more, g_more in more:
             cute.copy(tma, s_more, g_more)
         stores.producer_commit()
@@ -231,27 +337,27 @@ def _k_major(t, name):
     raise ValueError(f"{name}: one of the two dimensions must be contiguous, got strides {t.stride()}")
 
 
-def _check(a, b, out):
+def _check(a, b, out, a_name="a", out_name="out", b_name="b"):
     """The full argument check, with messages that name the argument: run on a shape's first
     call and to explain a call the compiled function's own (C) checks reject."""
     import torch
 
     from .checks import check_same_device, check_tensor, check_tma_rows
 
-    check_tensor("a", a, dtypes=torch.bfloat16, ndim=2, contiguous=False)
-    check_tensor("b", b, dtypes=torch.bfloat16, ndim=2, contiguous=False)
+    check_tensor(a_name, a, dtypes=torch.bfloat16, ndim=2, contiguous=False)
+    check_tensor(b_name, b, dtypes=torch.bfloat16, ndim=2, contiguous=False)
     (m, k), (n, k_b) = a.shape, b.shape
     if k != k_b:
-        raise ValueError(f"a is [{m}, {k}] and b is [{n}, {k_b}]: the K extents differ")
-    for name, t in (("a", a), ("b", b)):
+        raise ValueError(f"{a_name} is [{m}, {k}] and {b_name} is [{n}, {k_b}]: the K extents differ")
+    for name, t in ((a_name, a), (b_name, b)):
         k_major = _k_major(t, name)
         if t.numel() and k_major and t.stride(0) % 8 or not k_major and t.stride(1) % 8:
             raise ValueError(f"{name}: the non-contiguous stride must be a multiple of 8 elements (16 bytes) "
                              f"for TMA, got strides {t.stride()}")
     if out is not None:
-        check_tensor("out", out, dtypes=(torch.bfloat16, torch.float32), shape=(m, n), contiguous=False)
-        check_tma_rows("out", out)
-    check_same_device(a=a, b=b, out=out)
+        check_tensor(out_name, out, dtypes=(torch.bfloat16, torch.float32), shape=(m, n), contiguous=False)
+        check_tma_rows(out_name, out)
+    check_same_device(**{a_name: a, b_name: b, out_name: out})
 
 
 # (tiling, a K-major?, b K-major?, C dtype, device, epilogue) -> (TVM-FFI function, max clusters)

@@ -33,8 +33,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
 from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
-from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
-                   store_partial, store_piece, unit, with_unit_batch, work)
+from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
+                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
@@ -46,6 +46,8 @@ EPILOGUE_SYNC, TMEM_ALLOC_SYNC = 1, 2
 
 
 class Sm100Gemm:
+    k_stacked = False  # Sm100SummedGemm: several products' k-tiles, one C
+
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
                  epilogue: Epilogue = STORE):
         tiling.check_sm100()
@@ -78,8 +80,14 @@ class Sm100Gemm:
                  ctas: Int32, dp_tiles: Int32, sk_per: Int32, in0: cute.Tensor | None, in1: cute.Tensor | None,
                  out1: cute.Tensor | None, stream: cuda.CUstream):
         """The same arguments as the Hopper kernel (gemm.fake_arguments)."""
+        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
+
+    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
+        """The launch for one product, a group sharing B (Sm100GroupedGemm) or a sum of products
+        into one C (Sm100SummedGemm)."""
         t = self.tiling
-        a, b, c = with_unit_batch(a), with_unit_batch(b), with_unit_batch(c)
+        in0, in1, out1 = extras
+        a, b, c = with_unit_batch(a_groups[0]), with_unit_batch(b_groups[0]), with_unit_batch(c_groups[0])
         tiled_mma = self._tiled_mma()
         # (V, M, N, 1) view of the cluster: V = the CTA pair of a 2-CTA MMA
         cluster_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster, 1)), (tiled_mma.thr_id.shape,))
@@ -115,10 +123,26 @@ class Sm100Gemm:
             cute.append(tiled_mma.partition_shape_C(self.mma_tiler[:2]), ACCUMULATORS))
         tmem_columns = cutlass.memory.get_num_tmem_alloc_cols(accumulators)
 
+        grouped = ()  # the other products of a group: their A and C atoms and tensors (a sum: A and B)
+        for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
+            tma_a_g, ta_g = cute.nvgpu.make_tiled_tma_atom_A(
+                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), with_unit_batch(a_g),
+                cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            tma_b_g, tb_g = cute.nvgpu.make_tiled_tma_atom_B(
+                sm100.cluster_shape_to_tma_atom_B(self.cluster, tiled_mma.thr_id), with_unit_batch(b_g),
+                cute.slice_(b_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            grouped += (tma_a_g, ta_g, tma_b_g, tb_g)
+        for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
+            tma_a_g, ta_g = cute.nvgpu.make_tiled_tma_atom_A(
+                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), with_unit_batch(a_g),
+                cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            tma_c_g, tc_g = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), with_unit_batch(c_g),
+                                                        cute.select(c_smem, mode=[0, 1]), epi_tile)
+            grouped += (tma_a_g, ta_g, tma_c_g, tc_g)
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
         self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
-                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused).launch(
+                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1, stream=stream)  # one CTA per SM: registers need not be rationed
 
@@ -143,12 +167,12 @@ class Sm100Gemm:
                m_b: cute.Tensor, tma_c: cute.CopyAtom, m_c: cute.Tensor, cluster_vmnk: cute.Layout,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout,
                epi_tile: cute.Tile, accumulator_layout: cute.Layout, partials: cute.Tensor, flags: cute.Tensor,
-               schedule, fused):
+               schedule, fused, grouped):
         t = self.tiling
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == TMA_WARP:
-            for atom in (tma_a, tma_b, tma_c, *fused[::2]):
+            for atom in (tma_a, tma_b, tma_c, *fused[::2], *grouped[::2]):
                 cpasync.prefetch_descriptor(atom)
         bidx, _, _ = cute.arch.block_idx()
         pair_rank = bidx % cute.size(tiled_mma.thr_id.shape)  # V: this CTA's half of a 2-CTA MMA
@@ -198,9 +222,41 @@ class Sm100Gemm:
         frag_a, frag_b = tiled_mma.make_fragment_A(s_a), tiled_mma.make_fragment_B(s_b)
         c_of_cta = thr_mma.partition_C(g_c)  # this CTA's rows of every MMA tile of C
         io = self._epilogue_io(storage, fused, thr_mma)
-        # Cluster tiles of the schedule, in MMA tiles: cluster_m / pair MMA tiles tall.
+        # A sum of products: per term (A's atom, its k-tiles, B's atom, its k-tiles), the terms'
+        # k-tiles laid end to end (where each after the first starts)
+        terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
+        if cutlass.const_expr(self.k_stacked):
+            for i in cutlass.range_constexpr(0, len(grouped), 4):
+                g_a_i = cute.local_tile(grouped[i + 1], cute.slice_(self.mma_tiler, (None, 0, None)),
+                                        (None, None, None))
+                g_b_i = cute.local_tile(grouped[i + 3], cute.slice_(self.mma_tiler, (0, None, None)),
+                                        (None, None, None))
+                terms.append((grouped[i], cpasync.tma_partition(
+                    grouped[i], coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
+                    cute.group_modes(s_a, 0, 3), cute.group_modes(thr_mma.partition_A(g_a_i), 0, 3))[1],
+                    grouped[i + 2], cpasync.tma_partition(
+                    grouped[i + 2], coord_vmnk[1], cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape),
+                    cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b_i), 0, 3))[1]))
+                k_starts.append(k_tiles)
+                k_tiles = k_tiles + cute.size(g_a_i, mode=[3])
+        # A group of products: per product (A's atom, its k-tiles, C's atom, this CTA's rows of C)
+        products = [(tma_a, t_ga, tma_c, c_of_cta)]
+        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
+            g_a_i = cute.local_tile(grouped[i + 1], cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+            g_c_i = cute.local_tile(grouped[i + 3], cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
+            products.append((grouped[i], cpasync.tma_partition(
+                grouped[i], coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
+                cute.group_modes(s_a, 0, 3), cute.group_modes(thr_mma.partition_A(g_a_i), 0, 3))[1],
+                grouped[i + 2], thr_mma.partition_C(g_c_i)))
+        # Cluster tiles of the schedule, in MMA tiles: cluster_m / pair MMA tiles tall; a group's
+        # products stacked along M (where each after the first starts).
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m // self.pair)
         tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
+        starts = []
+        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
+            starts.append(tiles_m)
+            tiles_m = tiles_m + cute.ceil_div(cute.size(grouped[i + 3], mode=[0]),
+                                              self.mma_tiler[0] * (t.cluster_m // self.pair))
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
 
         if warp == TMA_WARP:
@@ -212,14 +268,12 @@ class Sm100Gemm:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for u in cutlass.range(units):
                 tile, k_begin, k_end = unit(u, plan)
-                m, n = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk)
+                product, m, n = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk, starts)
                 for k in cutlass.range(k_begin, k_end):
                     ring.producer_acquire(state)
                     barrier = ring.producer_get_barrier(state)
-                    cute.copy(tma_a, t_ga[(None, m, k, 0)], t_sa[(None, state.index)], tma_bar_ptr=barrier,
-                              mcast_mask=a_mask)
-                    cute.copy(tma_b, t_gb[(None, n, k, 0)], t_sb[(None, state.index)], tma_bar_ptr=barrier,
-                              mcast_mask=b_mask)
+                    load_k_tile(terms, k_starts, product, m, n, k, t_sa[(None, state.index)], t_sb[(None, state.index)],
+                                barrier, a_mask, b_mask, products)
                     ring.producer_commit(state)
                     state.advance()
             ring.producer_tail(state)
@@ -253,13 +307,13 @@ class Sm100Gemm:
             tmem.allocate(self.tmem_columns)
             tmem.wait_for_alloc()
             accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
-            self._epilogue(tidx, tiled_mma, accumulators, accumulator_ready, s_c, c_of_cta, epi_tile, tma_c,
+            self._epilogue(tidx, tiled_mma, accumulators, accumulator_ready, s_c, products, starts, epi_tile,
                            schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp, io)
             tmem.relinquish_alloc_permit()
             tmem.free(accumulators.iterator)
 
     @cute.jit
-    def _epilogue(self, tidx, tiled_mma, accumulators, accumulator_ready, s_c, c_of_cta, epi_tile, tma_c, schedule,
+    def _epilogue(self, tidx, tiled_mma, accumulators, accumulator_ready, s_c, products, starts, epi_tile, schedule,
                   k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp, io):
         """Epilogue warps: per unit, the accumulator buffer -> registers, one subtile at a time,
         then either to this CTA's partial-tile slot (stream-K, not the tile's last k-iterations)
@@ -270,7 +324,8 @@ class Sm100Gemm:
             cute.flat_divide(accumulators[((None, None), 0, 0, None)], epi_tile)[(None, None, 0, 0, 0)])
         thr_t2r = t2r.get_slice(tidx)
         acc_subtiles = thr_t2r.partition_S(cute.flat_divide(accumulators[((None, None), 0, 0, None)], epi_tile))
-        c_subtiles = cute.flat_divide(c_of_cta[((None, None), 0, 0, None, None, None)], epi_tile)
+        c_subtiles = cute.flat_divide(products[0][3][((None, None), 0, 0, None, None, None)], epi_tile)
+        tma_c = products[0][2]
         values = cute.make_rmem_tensor(thr_t2r.partition_D(c_subtiles)[(None, None, None, 0, 0, 0, 0, 0)].shape,
                                        Float32)
         # registers -> shared memory, then TMA store of the subtile
@@ -281,8 +336,12 @@ class Sm100Gemm:
         # where C's store copy is stmatrix)
         s2r = cute.make_tiled_copy_D(cute.make_copy_atom(_smem_load_op(store_atom.op), BFloat16), t2r).get_slice(tidx)
         is_store_warp = warp == EPILOGUE_WARPS[0]
-        s_part, g_parts = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
-                                                cute.group_modes(c_subtiles, 0, 2))
+        s_part = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
+                                       cute.group_modes(c_subtiles, 0, 2))[0]
+        # every product's C subtiles (one product unless grouped)
+        g_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2), cute.group_modes(
+            cute.flat_divide(of_cta[((None, None), 0, 0, None, None, None)], epi_tile), 0, 2))[1]
+            for _, _, atom, of_cta in products]
         sync = pipeline.NamedBarrier(barrier_id=EPILOGUE_SYNC, num_threads=EPILOGUE_THREADS)
         stores = pipeline.PipelineTmaStore.create(
             num_stages=self.tiling.epilogue_stages,
@@ -295,9 +354,10 @@ class Sm100Gemm:
         done = Int32(0)  # subtiles stored by this CTA: picks the shared-memory buffer
         for u in cutlass.range(units):
             tile, k_begin, k_end = unit(u, plan)
-            m, n = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk)
+            product, m, n = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk, starts)
             acc = cute.group_modes(acc_subtiles[(None, None, None, None, None, drained.index)], 3, 5)
-            g_piece = cute.group_modes(g_parts[(None, None, None, m, n, 0)], 1, 3)
+            g_pieces = [cute.group_modes(g_part[(None, None, None, m, n, 0)], 1, 3) for g_part in g_parts]
+            g_piece = g_pieces[0]
             subtiles = cute.size(acc, mode=[3])
             if cutlass.const_expr(io is not None):
                 # A tile this CTA finishes: its first input subtiles load under the MMAs, once the
@@ -324,8 +384,9 @@ class Sm100Gemm:
                                     s * vectors_per_subtile, tidx, EPILOGUE_THREADS)
                     if cutlass.const_expr(io is None):
                         buffer = (done + s) % self.tiling.epilogue_stages
-                        store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, tma_c,
-                                    s_part[(None, buffer)], g_piece[(None, s)], sync, stores, is_store_warp)
+                        store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer,
+                                    [(p[2], g[(None, s)]) for p, g in zip(products, g_pieces)],
+                                    s_part[(None, buffer)], product, sync, stores, is_store_warp)
                     else:
                         self._fused_piece(io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece, tma_c, sync,
                                           stores, is_store_warp, done + s, m, n, s, subtiles)
@@ -393,13 +454,26 @@ class Sm100Gemm:
             s_out1, g_out1 = self._subtiles(tma_out1, s_c, of_cta, epi_tile, m, n)
             more = ((r2s.retile(second).load(), r2s_dst[(None, None, None, buffer + 1)], tma_out1,
                      s_out1[(None, buffer + 1)], g_out1[(None, s)]),)
-        store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
-                    g_piece[(None, s)], sync, stores, is_store_warp, more,
+        store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, [(tma_c, g_piece[(None, s)])],
+                    s_part[(None, buffer)], 0, sync, stores, is_store_warp, more,
                     functools.partial(self._refill, io, s_c, epi_tile, seq + stages, m, n, s + stages, subtiles))
 
-    def _mma_tile(self, tile, tiles_m, tiles_n, coord_vmnk):
-        """(m, n) MMA tile of this CTA for cluster tile `tile` (the pair of a 2-CTA MMA shares one)."""
-        return cta_tile(self.tiling, tile, tiles_m, tiles_n, coord_vmnk[1], coord_vmnk[2], self.pair)
+    def _mma_tile(self, tile, tiles_m, tiles_n, coord_vmnk, starts):
+        """(product, m, n): the MMA tile of this CTA for cluster tile `tile` (the pair of a 2-CTA
+        MMA shares one), in its product of a group (gemm.group_tile)."""
+        return group_tile(self.tiling, tile, tiles_m, tiles_n, coord_vmnk[1], coord_vmnk[2], starts, self.pair)
+
+
+class Sm100GroupedGemm(GroupedEntry, Sm100Gemm):
+    """Two or three plain products sharing B in one persistent launch, as on Hopper
+    (gemm_sm90.Sm90GroupedGemm, gemm_grouped)."""
+
+
+class Sm100SummedGemm(SummedEntry, Sm100Gemm):
+    """C = sum_i A_i . B_i^T in one launch, as on Hopper (gemm_sm90.Sm90SummedGemm)."""
+
+
+Sm100Gemm.Grouped, Sm100Gemm.Summed = Sm100GroupedGemm, Sm100SummedGemm
 
 
 def _smem_load_op(op):
@@ -410,9 +484,11 @@ def _smem_load_op(op):
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",
-          dump_dir=None, epilogue: Epilogue = STORE):
-    """One compiled kernel per (tiling, operand majors, C dtype, epilogue); see gemm.fake_arguments."""
-    return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue)
+          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
+    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group
+    and how they are stacked); see gemm.fake_arguments."""
+    return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
+                        products, stack)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
@@ -424,6 +500,10 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(cluster_m=2), True, False, "float32"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
     (GemmTiling(), True, False, "bfloat16", ADD),
+    # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
+    (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
+    # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", STORE, 3, "k"),
 ))
 # tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read
 # back with LDTM, TMA-store epilogue, no spills, no float atomics, no 2-byte global accesses

@@ -46,14 +46,16 @@ from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
 from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
-from .gemm import (add_partial, audit_builds, await_partial, compile_gemm, cta_tile, owner, publish_partial,
-                   store_partial, store_piece, unit, with_unit_batch, work)
+from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
+                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 
 
 class Sm90Gemm:
+    k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
+
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
                  epilogue: Epilogue = STORE):
         tiling.check_sm90()
@@ -88,8 +90,15 @@ class Sm90Gemm:
         CTA (layouts.gemm.stream_k_plan), their partial tiles through `partials` [ctas, tile
         elements] and the ready `flags` [ctas] (zero between calls). in0, in1, out1: the
         epilogue's [M, N] inputs and second output (None where it has none)."""
+        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
+
+    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
+        """The launch for one product, for a group of products sharing B (one A and one C each:
+        Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm)."""
         t = self.tiling
-        a, b, c = with_unit_batch(a), with_unit_batch(b), with_unit_batch(c)
+        in0, in1, out1 = extras
+        b = with_unit_batch(b_groups[0])
+        a, c = with_unit_batch(a_groups[0]), with_unit_batch(c_groups[0])
         tiled_mma = sm90.make_trivial_tiled_mma(
             BFloat16, BFloat16, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             Float32, (self.tile_warpgroups, 1, 1), tiler_mn=(64, t.tile_n))
@@ -113,14 +122,33 @@ class Sm90Gemm:
             if cutlass.const_expr(x is not None):
                 op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \
                     else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-                atom, tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(op, with_unit_batch(x),
-                                                                      cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
+                atom, tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    op, with_unit_batch(x), cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
                 fused += (atom, tensor)
+
+        # The other products of a group: their A and C (a sum: their A and B), by TMA like the first's.
+        grouped = ()
+        for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
+            tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                tma_load_op(t.cluster_n), with_unit_batch(a_g), cute.slice_(a_smem, (None, None, 0)),
+                (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
+            tma_b_g, tb_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                tma_load_op(t.cluster_m), with_unit_batch(b_g), cute.slice_(b_smem, (None, None, 0)),
+                (t.tile_n, t.tile_k), num_multicast=t.cluster_m)
+            grouped += (tma_a_g, ta_g, tma_b_g, tb_g)
+        for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
+            tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                tma_load_op(t.cluster_n), with_unit_batch(a_g), cute.slice_(a_smem, (None, None, 0)),
+                (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
+            tma_c_g, tc_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), with_unit_batch(c_g),
+                cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
+            grouped += (tma_a_g, ta_g, tma_c_g, tc_g)
 
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                    schedule, fused, grouped).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
                                             cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     def _storage(self, a_smem, b_smem, c_smem):
@@ -140,13 +168,13 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused):
+               flags: cute.Tensor, schedule, fused, grouped):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if warp == 0:
-            for atom in (tma_a, tma_b, tma_c, *fused[::2]):
+            for atom in (tma_a, tma_b, tma_c, *fused[::2], *grouped[::2]):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         cta_layout = cute.make_layout((*self.cluster, 1))  # rank in cluster -> (m, n, 0) within it
@@ -184,10 +212,37 @@ class Sm90Gemm:
         t_sb, t_gb = cute.nvgpu.cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(t.cluster_m),
                                                       cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
         k_tiles = cute.size(g_a, mode=[3])
+        # A sum of products: per term (A's atom, its k-tiles, B's atom, its k-tiles), the terms'
+        # k-tiles laid end to end (where each after the first starts)
+        terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
+        if cutlass.const_expr(self.k_stacked):
+            for i in cutlass.range_constexpr(0, len(grouped), 4):
+                g_a_i = cute.local_tile(grouped[i + 1], (t.tile_m, t.tile_k), (None, None, None))
+                g_b_i = cute.local_tile(grouped[i + 3], (t.tile_n, t.tile_k), (None, None, None))
+                terms.append((grouped[i], cute.nvgpu.cpasync.tma_partition(
+                    grouped[i], cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
+                    cute.group_modes(g_a_i, 0, 2))[1], grouped[i + 2], cute.nvgpu.cpasync.tma_partition(
+                    grouped[i + 2], cluster_coord[0], cute.make_layout(t.cluster_m), cute.group_modes(s_b, 0, 2),
+                    cute.group_modes(g_b_i, 0, 2))[1]))
+                k_starts.append(k_tiles)
+                k_tiles = k_tiles + cute.size(g_a_i, mode=[3])
+        # A group of products: per product (A's TMA atom, its k-tiles, C's atom, C's tiles)
+        products = [(tma_a, t_ga, tma_c, g_c)]
+        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
+            g_a_i = cute.local_tile(grouped[i + 1], (t.tile_m, t.tile_k), (None, None, None))
+            products.append((grouped[i], cute.nvgpu.cpasync.tma_partition(
+                grouped[i], cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
+                cute.group_modes(g_a_i, 0, 2))[1], grouped[i + 2],
+                cute.local_tile(grouped[i + 3], (t.tile_m, t.tile_n), (None, None, None))))
         # The schedule deals out cluster tiles (cluster_m x cluster_n CTA tiles); a CTA whose
         # tile lies past M or N still loads its share for its peers (TMA fills zeros, stores clip).
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m)
         tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
+        # grouped: the products' cluster-tile rows stacked; where each product after the first starts
+        starts = []
+        for _, _, _, g_c_i in products[1:]:
+            starts.append(tiles_m)
+            tiles_m = tiles_m + cute.ceil_div(cute.size(g_c_i, mode=[2]), t.cluster_m)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
 
         if warpgroup == 0:
@@ -197,20 +252,21 @@ class Sm90Gemm:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for u in cutlass.range(units):
                     tile, k_begin, k_end = unit(u, plan)
-                    m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
+                    product, m, n = group_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0],
+                                               cluster_coord[1], starts)
                     for k in cutlass.range(k_begin, k_end):
                         ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
-                        cute.copy(tma_a, t_ga[(None, m, k, 0)], t_sa[(None, state.index)], tma_bar_ptr=barrier,
-                                  mcast_mask=a_peers if cutlass.const_expr(t.cluster_n > 1) else 0)
-                        cute.copy(tma_b, t_gb[(None, n, k, 0)], t_sb[(None, state.index)], tma_bar_ptr=barrier,
-                                  mcast_mask=b_peers if cutlass.const_expr(t.cluster_m > 1) else 0)
+                        a_mask = a_peers if cutlass.const_expr(t.cluster_n > 1) else 0
+                        b_mask = b_peers if cutlass.const_expr(t.cluster_m > 1) else 0
+                        load_k_tile(terms, k_starts, product, m, n, k, t_sa[(None, state.index)],
+                                    t_sb[(None, state.index)], barrier, a_mask, b_mask, products)
                         ring.producer_commit(state)
                         state.advance()
                 ring.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles,
+            self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,
                           tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io)
 
     def _epilogue_io(self, storage, fused):
@@ -227,7 +283,7 @@ class Sm90Gemm:
         return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
 
     @cute.jit
-    def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, tma_c, schedule, k_tiles, tiles_m, tiles_n,
+    def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles, tiles_m, tiles_n,
                  cluster_coord, partials, flags, ctidx, warp, io):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
         stream-K units hand partial tiles on or gather them first. A team works each unit: all
@@ -287,7 +343,8 @@ class Sm90Gemm:
                 read.advance(Int32(k_end - k_begin))
                 release.advance(Int32(k_end - k_begin))
             else:
-                m, n = cta_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1])
+                product, m, n = group_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1],
+                                           starts)
                 if cutlass.const_expr(io is not None):
                     # A tile this team finishes: its first input pieces load under the MMAs, once
                     # the TMA stores of the team's previous tile have read their slots.
@@ -333,20 +390,22 @@ class Sm90Gemm:
                             theirs = earlier * self.cluster_size + rank
                             await_partial(flags, theirs, thread, team_sync)
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
-                    self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team,
+                    self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team,
                                    team_sync, stores, is_store_warp, io, s2r)
                     done += 1
         stores.producer_tail()
 
     @cute.jit
-    def _epilogue(self, r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, g_c, tma_c, m, n, done, team, sync, stores,
-                  is_store_warp, io, s2r):
+    def _epilogue(self, r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team, sync,
+                  stores, is_store_warp, io, s2r):
         """The finished tile (m, n), one epilogue piece at a time through the team's
         `epilogue_stages` shared-memory buffers (gemm.store_piece). Pieces go in row-major
         order, which is the order of the retiled accumulators (64-row blocks outermost). A fused
         epilogue works each piece in its slot: inputs read (loaded `epilogue_input_stages`
         pieces ahead), outputs written over them and stored from there."""
-        s_part, g_part = self._tma_pieces(tma_c, s_c, g_c, m, n)
+        # C's pieces of tile (m, n) of each product of a group (one, unless grouped)
+        s_part = self._tma_pieces(products[0][2], s_c, products[0][3], m, n)[0]
+        g_parts = [self._tma_pieces(tma_c, s_c, g_c, m, n)[1] for _, _, tma_c, g_c in products]
         grid = self._piece_grid()
         stages = self.tiling.epilogue_input_stages
         if cutlass.const_expr(io is not None and len(io[2]) > 0):
@@ -370,8 +429,10 @@ class Sm90Gemm:
                              s_out1_part[(None, buffer + 1)], g_out1_part[(None, grid.get_hier_coord(p))]),)
                 if cutlass.const_expr(p + stages < self.pieces):
                     refill = functools.partial(self._load_inputs, io, s_c, team, seq + stages, m, n, p + stages)
-            store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, tma_c, s_part[(None, buffer)],
-                        g_part[(None, grid.get_hier_coord(p))], sync, stores, is_store_warp, more, refill)
+            targets = [(tma_c, g_part[(None, grid.get_hier_coord(p))])
+                       for (_, _, tma_c, _), g_part in zip(products, g_parts)]
+            store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, targets, s_part[(None, buffer)], product, sync,
+                        stores, is_store_warp, more, refill)
 
     def _piece_grid(self):
         """Piece index -> (row, column) of the piece within the tile, row-major."""
@@ -402,6 +463,20 @@ class Sm90Gemm:
                          [pieces[(None, None, None, slot * self.slot_pieces + i)] for i in range(len(io[0]))], shape)
 
 
+class Sm90GroupedGemm(GroupedEntry, Sm90Gemm):
+    """Two or three plain products sharing B in one persistent launch (gemm_grouped):
+    C_i = A_i . B^T, their cluster-tile rows stacked along M (gemm.group_tile), so the
+    schedule (waves, stream-K) covers them all."""
+
+
+class Sm90SummedGemm(SummedEntry, Sm90Gemm):
+    """C = sum_i A_i . B_i^T for two or three products in one launch (gemm_grouped): the terms'
+    k-tiles laid end to end, one accumulator, one C."""
+
+
+Sm90Gemm.Grouped, Sm90Gemm.Summed = Sm90GroupedGemm, Sm90SummedGemm
+
+
 def tma_load_op(peers: int):
     """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
     if peers == 1:
@@ -410,9 +485,11 @@ def tma_load_op(peers: int):
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_90a",
-          dump_dir=None, epilogue: Epilogue = STORE):
-    """One compiled kernel per (tiling, operand majors, C dtype, epilogue); see gemm.fake_arguments."""
-    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue)
+          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
+    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group
+    and how they are stacked); see gemm.fake_arguments."""
+    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
+                        products, stack)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
@@ -427,6 +504,10 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
+    # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
+    (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
+    # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", STORE, 3, "k"),
 ))
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
 # spills, no 2-byte global accesses (fused epilogues move their tensors by TMA); the stream-K

@@ -104,3 +104,14 @@ def test_epilogue_bench_table():
            "fused / peer": 105 / 160, "ok": True}
     table = format_table([row])
     assert "2048" in table and "1.050" in table and "ok" in table
+
+
+def test_grouped_bench_table():
+    from cutebwd.tools.bench_grouped import format_table
+
+    row = {"tokens": 128, "ours grouped us": 30.0, "ours separate us": 40.0, "cuBLAS separate us": 42.0,
+           "floor us": 25.0, "grouped / separate": 0.75, "grouped / cuBLAS separate": 30 / 42,
+           "grouped / floor": 1.2, "ours summed us": 50.0, "ours add x3 us": 60.0, "cuBLAS addmm x3 us": 55.0,
+           "summed / add x3": 50 / 60, "summed / cuBLAS addmm x3": 50 / 55, "ok": False}
+    table = format_table([row])
+    assert "128" in table and "0.750" in table and "1.200" in table and "FAIL" in table

@@ -10,9 +10,6 @@ progress on stderr.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import sys
 
 import torch
@@ -79,24 +76,8 @@ def format_table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="2048,8192", help="comma-separated T values")
-    parser.add_argument("--json", default="bench-epilogue.json")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if not timing.have_gpu("bench_epilogue"):
-        return 2
-    generator = torch.Generator(device="cuda").manual_seed(args.seed)
-    rows = []
-    for t in (int(x) for x in args.tokens.split(",")):
-        timing.progress(f"[bench_epilogue] T={t}")
-        rows.append(bench_tokens(t, generator, timing.progress))
-    with open(args.json, "w") as f:
-        json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "rows": rows}, f, indent=1)
-    print(format_table(rows))
-    print(f"wrote {args.json}")
-    return 0 if all(r["ok"] for r in rows) else 1
+    return timing.token_bench("bench_epilogue", __doc__.split("\n\n")[0], argv, "2048,8192",
+                              lambda t, generator, _, log: bench_tokens(t, generator, log), format_table)
 
 
 if __name__ == "__main__":

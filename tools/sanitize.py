@@ -53,6 +53,33 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue
     return run
 
 
+def _grouped_case(ms, n, k, **options):
+    def run():
+        from cutebwd.kernels.gemm_grouped import matmul_nt_grouped
+        from cutebwd.tools.parity import assert_parity
+
+        g = torch.Generator(device="cuda").manual_seed(sum(ms) + n + k)
+        a_list = [torch.randn(k, m, device="cuda", generator=g).bfloat16().t() for m in ms]  # dY_i^T views
+        b = torch.randn(k, n, device="cuda", generator=g).bfloat16().t()
+        outs = matmul_nt_grouped(a_list, b, **options)
+        assert_parity([f"c{i}" for i in range(len(ms))], outs, [a.float() @ b.float().t() for a in a_list],
+                      [torch.bfloat16] * len(ms))
+    return run
+
+
+def _summed_case(m, n, ks, **options):
+    def run():
+        from cutebwd.kernels.gemm_grouped import matmul_nt_summed
+        from cutebwd.tools.parity import assert_parity
+
+        g = torch.Generator(device="cuda").manual_seed(m + n + sum(ks))
+        pairs = [(torch.randn(m, k, device="cuda", generator=g).bfloat16(),  # dY_i, and W_i^T views
+                  torch.randn(k, n, device="cuda", generator=g).bfloat16().t()) for k in ks]
+        out = matmul_nt_summed(pairs, **options)
+        assert_parity(["c"], [out], [sum(a.float() @ b.float().t() for a, b in pairs)], [torch.bfloat16])
+    return run
+
+
 def _problem_case(problem, batch, seq, *, without_normalized=False, **options):
     """check_problem of the op named like the problem; `without_normalized`: 013 with None."""
     def run():
@@ -80,8 +107,12 @@ CASES = {
     "gemm 256x160": _gemm_case(600, 400, 320, tile_m=256, tile_n=160),
     "gemm fp32 C, stream-K": _gemm_case(300, 200, 1000, stream_k=True, fp32_c=True),
     # fused epilogues: TMA-loaded input slots reused for the outputs (two tiles per team at least)
-    "gemm epilogue dswiglu, pingpong (its default), stream-K": _gemm_case(1000, 776, 1000, stream_k=True, epilogue="dswiglu"),
-    "gemm epilogue add, 128x256 cluster 2x1": _gemm_case(600, 776, 320, epilogue="add", tile_m=128, tile_n=256, cluster_m=2),
+    "gemm epilogue dswiglu, pingpong (its default), stream-K": _gemm_case(1000, 776, 1000, stream_k=True,
+                                                                          epilogue="dswiglu"),
+    "gemm epilogue add, 128x256 cluster 2x1": _gemm_case(600, 776, 320, epilogue="add", tile_m=128, tile_n=256,
+                                                         cluster_m=2),
+    "gemm grouped, 3 products, stream-K": _grouped_case((296, 136, 520), 776, 1000, stream_k=True),
+    "gemm grouped, 3 summed terms, stream-K": _summed_case(300, 776, (1000, 136, 72), stream_k=True),
     "013": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),
     "013 normalized=None": _problem_case("fused_residual_rmsnorm_backward", 3, 50, without_normalized=True,
                                          consistent=True),

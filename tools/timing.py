@@ -122,3 +122,33 @@ def matmul_rate(n: int = 8192) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = time_ms(lambda: torch.matmul(a, b), [()], budget_ms=200)
     return 2 * n**3 / (ms * 1e-3)
+
+
+def token_bench(tool: str, description: str, argv, default_tokens: str, bench_row, format_table,
+                header=lambda: {}) -> int:
+    """A tool's main for benches run per token count T: parse --tokens/--json/--seed, then for
+    each T `bench_row(t, generator, info, progress)` -> a row dict with "ok" (info: what
+    `header()` measured once, e.g. the copy bandwidth); the table on screen, JSON on disk."""
+    import argparse
+    import datetime
+    import json
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--tokens", default=default_tokens, help="comma-separated T values")
+    parser.add_argument("--json", default=f"{tool.replace('_', '-')}.json")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not have_gpu(tool):
+        return 2
+    generator = torch.Generator(device="cuda").manual_seed(args.seed)
+    info = header()
+    rows = []
+    for t in (int(x) for x in args.tokens.split(",")):
+        progress(f"[{tool}] T={t}")
+        rows.append(bench_row(t, generator, info, progress))
+    with open(args.json, "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, **info, "rows": rows}, f, indent=1)
+    print(format_table(rows))
+    print(f"wrote {args.json}")
+    return 0 if all(r["ok"] for r in rows) else 1
