@@ -9,8 +9,9 @@ fp32 before it is timed.
 
     python -m cutebwd.tools.bench_grouped [--tokens 128,512,2048,8192] [--json bench-grouped.json]
 
-Bar: grouped <= 0.95 x the three separate launches; at T = 128 and 512 within 1.2 x the floor.
-A table on screen, JSON on disk, progress on stderr.
+Bar: grouped <= 0.95 x the three separate launches (graph replays taken turn by turn in
+steady state: timing.interleaved_us; the burst ratio beside it); at T = 128 and 512 within
+1.2 x the floor (CUDA-graph replay). A table on screen, JSON on disk, progress on stderr.
 """
 from __future__ import annotations
 
@@ -61,16 +62,19 @@ def bench_tokens(t, generator, bandwidth, rate, log):
         fn()
         errors[who] = (torch.linalg.norm(dx.float() - want_dx) / torch.linalg.norm(want_dx)).item()
     best = timing.alternating_best({**variants, **summed})
+    steady = timing.interleaved_us({**variants, **summed})  # the ratios' figures (see bench_epilogue)
     rows = sum(WIDTHS)
     nbytes = 2 * (t * rows + t * HIDDEN + rows * HIDDEN)
     floor_us = max(nbytes / bandwidth, 2 * t * rows * HIDDEN / rate) * 1e6
     row = {"tokens": t, "errors": errors, "ok": max(errors.values()) < MAX_RELATIVE_ERROR, "floor us": floor_us,
-           **{f"{who} {key}": value for (who, key), value in best.items()}}
-    row["grouped / separate"] = row["ours grouped us"] / row["ours separate us"]
-    row["grouped / cuBLAS separate"] = row["ours grouped us"] / row["cuBLAS separate us"]
+           **{f"{who} {key}": value for (who, key), value in best.items()},
+           **{f"{who} steady us": value for who, value in steady.items()}}
+    row["grouped / separate"] = row["ours grouped steady us"] / row["ours separate steady us"]
+    row["burst grouped / separate"] = row["ours grouped us"] / row["ours separate us"]
+    row["grouped / cuBLAS separate"] = row["ours grouped steady us"] / row["cuBLAS separate steady us"]
     row["grouped / floor"] = row["ours grouped graph_us"] / floor_us
-    row["summed / add x3"] = row["ours summed us"] / row["ours add x3 us"]
-    row["summed / cuBLAS addmm x3"] = row["ours summed us"] / row["cuBLAS addmm x3 us"]
+    row["summed / add x3"] = row["ours summed steady us"] / row["ours add x3 steady us"]
+    row["summed / cuBLAS addmm x3"] = row["ours summed steady us"] / row["cuBLAS addmm x3 steady us"]
     log(f"  T={t}: grouped {row['ours grouped us']:.1f} us (graph {row['ours grouped graph_us']:.1f}), separate "
         f"{row['ours separate us']:.1f}, cuBLAS separate {row['cuBLAS separate us']:.1f}, floor {floor_us:.1f}; "
         f"max error {max(errors.values()):.1e}")
@@ -80,14 +84,15 @@ def bench_tokens(t, generator, bandwidth, rate, log):
 
 
 def format_table(rows) -> str:
-    lines = [f"{'T':>6} {'grouped us':>10} {'separate':>9} {'cuBLAS 3x':>9} {'floor us':>8} {'/separate':>9} "
+    lines = [f"{'T':>6} {'grouped us':>10} {'separate':>9} {'cuBLAS 3x':>9} {'floor us':>8} {'/separate':>9} {'burst':>6} "
              f"{'/cuBLAS':>8} {'graph/floor':>11} {'summed us':>9} {'add x3':>8} {'addmm x3':>8} {'/add':>6} "
              f"{'/addmm':>6} check"]
     for r in rows:
-        lines.append(f"{r['tokens']:6d} {r['ours grouped us']:10.1f} {r['ours separate us']:9.1f} "
-                     f"{r['cuBLAS separate us']:9.1f} {r['floor us']:8.1f} {r['grouped / separate']:9.3f} "
-                     f"{r['grouped / cuBLAS separate']:8.3f} {r['grouped / floor']:11.3f} {r['ours summed us']:9.1f} "
-                     f"{r['ours add x3 us']:8.1f} {r['cuBLAS addmm x3 us']:8.1f} {r['summed / add x3']:6.3f} "
+        lines.append(f"{r['tokens']:6d} {r['ours grouped steady us']:10.1f} {r['ours separate steady us']:9.1f} "
+                     f"{r['cuBLAS separate steady us']:9.1f} {r['floor us']:8.1f} {r['grouped / separate']:9.3f} "
+                     f"{r['burst grouped / separate']:6.3f} "
+                     f"{r['grouped / cuBLAS separate']:8.3f} {r['grouped / floor']:11.3f} {r['ours summed steady us']:9.1f} "
+                     f"{r['ours add x3 steady us']:8.1f} {r['cuBLAS addmm x3 steady us']:8.1f} {r['summed / add x3']:6.3f} "
                      f"{r['summed / cuBLAS addmm x3']:6.3f} {'ok' if r['ok'] else 'FAIL':>5}")
     return "\n".join(lines)
 

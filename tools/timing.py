@@ -52,9 +52,9 @@ def time_ms(fn, arg_sets, *, budget_ms: float = 40.0, repeats: int = 5, max_call
     return statistics.median(_loop_ms(fn, arg_sets, calls) for _ in range(repeats))
 
 
-def graph_time_ms(fn, arg_sets, *, calls: int = 20, repeats: int = 5) -> float | None:
-    """Median milliseconds per call replaying `calls` captured calls in one CUDA graph, or None
-    when fn cannot be captured (host synchronisation, data-dependent shapes)."""
+def _captured(fn, arg_sets, calls: int):
+    """A CUDA graph of `calls` calls of fn, or None when fn cannot be captured (host
+    synchronisation, data-dependent shapes)."""
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -71,6 +71,15 @@ def graph_time_ms(fn, arg_sets, *, calls: int = 20, repeats: int = 5) -> float |
         return None
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_time_ms(fn, arg_sets, *, calls: int = 20, repeats: int = 5) -> float | None:
+    """Median milliseconds per call replaying `calls` captured calls in one CUDA graph, or None
+    when fn cannot be captured."""
+    graph = _captured(fn, arg_sets, calls)
+    if graph is None:
+        return None
     return statistics.median(_loop_ms(lambda: graph.replay(), [()], 1) / calls for _ in range(repeats))
 
 
@@ -87,6 +96,40 @@ def alternating_best(timed: dict, rounds: int = 3) -> dict:
             for key, measure in (("us", time_ms), ("graph_us", graph_time_ms)):
                 best[who, key] = min(best.get((who, key), math.inf), measure(fn, [()]) * 1e3)
     return best
+
+
+def interleaved_us(timed: dict, *, seconds: float = 3.0, warmup_s: float = 1.0, calls: int = 10) -> dict:
+    """{name: median GPU microseconds per call} of `timed`'s no-argument callables, each
+    captured as a CUDA graph of `calls` calls, the graphs replayed turn by turn (events around
+    each replay) for ~`seconds` after `warmup_s` of the same. For compute-bound products:
+    under sustained load they run the H200 into its 700 W power cap (sampled: 1050 to 1980 MHz,
+    throttle reason SW power cap), so a burst's time depends on what ran before it (seen: one
+    kernel timed 446 and 475 us by `alternating_best` in one run); turn by turn, every variant
+    sees the same clocks. Graph
+    replay keeps the host out of the figure. A callable that cannot be captured is timed call
+    by call instead (host included)."""
+    replays = {who: _captured(fn, [()], calls) for who, fn in timed.items()}
+    runs = {who: (graph.replay, calls) if graph is not None else (timed[who], 1) for who, graph in replays.items()}
+
+    def turns(budget):
+        marks = {who: [] for who in runs}
+        start, rounds = time.perf_counter(), 0
+        while time.perf_counter() - start < budget:
+            for who, (run, _) in runs.items():
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record()
+                run()
+                after.record()
+                marks[who].append((before, after))
+            rounds += 1
+            if rounds % 8 == 0:  # keep the host within a few turns of the GPU
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return marks
+
+    turns(warmup_s)
+    return {who: statistics.median(b.elapsed_time(a) * 1e3 / runs[who][1] for b, a in pairs)
+            for who, pairs in turns(seconds).items()}
 
 
 def host_us(fn, arg_sets, *, calls: int = 200, repeats: int = 3) -> float:
