@@ -13,7 +13,12 @@ Kinds:
 - STORE: C = acc (the plain product);
 - ADD: C = acc + C (add into an existing output: C is read at each element before it is written);
 - DSWIGLU: from g_sw = acc with gate and up (056: silu on `up`),
-  grad_gate = g_sw * silu(up) and grad_up = g_sw * gate * sig(up) * (1 + up * (1 - sig(up))).
+  grad_gate = g_sw * silu(up) and grad_up = g_sw * gate * sig(up) * (1 + up * (1 - sig(up)));
+- ROW_DOT: C = acc, and per row the fp32 dot of acc with an input x over each tile's columns:
+  row_sums[i, j] = sum over tile column j of acc[i, c] * x[i, c] ([M, N / tile_n], tile_n the
+  column group). 056's softmax backward needs D = rowsum(g_ao * attn_output) per head: with
+  tile_n = head_dim it falls out of the g_ao product, one dot per (token, head), each summed
+  in a fixed order within one tile (no cross-tile reduction, bitwise repeatable).
 """
 from __future__ import annotations
 
@@ -29,10 +34,15 @@ class Epilogue:
     name: str
     inputs: tuple = ()  # names of the extra bf16 [M, N] tensors read at each element
     outputs: tuple = ("c",)  # names of the results; the first is C
+    row_sums: bool = False  # also fp32 row sums of `row_term` per tile column (out2, not TMA-moved)
 
     def apply(self, acc, ins):
         """fp32 TensorSSA accumulators and inputs -> fp32 TensorSSA outputs (traced in the kernel)."""
         return _APPLY[self.name](acc, *ins)
+
+    def row_term(self, acc, ins):
+        """What `row_sums` adds up per element (fp32 TensorSSA)."""
+        return _ROW_TERM[self.name](acc, *ins)
 
 
 def _store(acc):
@@ -60,11 +70,21 @@ def _dswiglu(g_sw, gate, up):
     return gs * up, gs * gate * (1.0 + (up - up * sig))
 
 
-_APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu}
+_APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu, "row_dot": lambda acc, x: (acc,)}
+_ROW_TERM = {"row_dot": lambda acc, x: acc * x}
 STORE = Epilogue("store")
 ADD = Epilogue("add", inputs=("c",))
 DSWIGLU = Epilogue("dswiglu", inputs=("gate", "up"), outputs=("grad_gate", "grad_up"))
-KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU)}
+ROW_DOT = Epilogue("row_dot", inputs=("x",), row_sums=True)
+KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU, ROW_DOT)}
+
+
+@cute.jit
+def quad_sum(value):
+    """The sum over the four lanes that share an accumulator row (lane % 4 picks the columns
+    in the warpgroup MMA's layout), the same fixed order in every lane."""
+    value = value + cute.arch.shuffle_sync_bfly(value, offset=1)
+    return value + cute.arch.shuffle_sync_bfly(value, offset=2)
 
 
 def init_slot_barriers(first, count: int):
@@ -100,7 +120,8 @@ def read_slot(barrier, phase, s2r, buffers, shape):
 def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, device):
     """Host side: the epilogue's inputs and second output (None: one will be allocated) are
     bf16 [M, N], row-major like C (16-byte aligned, row stride a multiple of 8), on the
-    product's device."""
+    product's device; row sums (out2 of `row_dot`, required) fp32 [M, groups] with unit column
+    stride, N a whole number of column groups."""
     import torch
 
     from .checks import check_same_device, check_tensor, check_tma_rows
@@ -111,6 +132,17 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
     named = dict(zip(epilogue.inputs, inputs))
     if len(epilogue.outputs) > 1 and out2 is not None:
         named[epilogue.outputs[1]] = out2
+    if epilogue.row_sums:
+        if out2 is None:
+            raise ValueError(f"out2: the {epilogue.name!r} epilogue writes its fp32 row sums there, so it must be given")
+        check_tensor("out2", out2, dtypes=torch.float32, ndim=2, contiguous=False)
+        groups = out2.shape[1]
+        if out2.shape[0] != m or groups == 0 or n % groups:
+            raise ValueError(f"out2: fp32 [M, groups] row sums with N = {n} a whole number of groups, got "
+                             f"{list(out2.shape)} for M = {m}")
+        if out2.stride(1) != 1:
+            raise ValueError(f"out2: unit column stride needed, got strides {out2.stride()}")
+        check_same_device(out2=out2, **named)
     for name, t in named.items():
         if t is None:
             raise ValueError(f"{name}: the {epilogue.name!r} epilogue needs it")

@@ -59,6 +59,8 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     flags = runtime.fake_tensor(Int32, (slots,), (1,), 4)
     inputs = [mn_tensor() for _ in epilogue.inputs] + [None] * (2 - len(epilogue.inputs))
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
+    if epilogue.row_sums:  # fp32 [M, groups] row sums, written by plain stores
+        out1 = runtime.fake_tensor(Float32, (m, cute.sym_int32()), (cute.sym_int64(), 1), 4)
     schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
     if products > 1 and stack == "k":
         ks = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
@@ -428,7 +430,11 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
     if arch not in _ARCH_MODULES:
         raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
-    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs))
+    group_n = n // out2.shape[1] if epilogue.row_sums else None
+    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n)
+    if group_n and chosen.tile_n != group_n:
+        raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue sums rows per tile, so tile_n must be "
+                         f"the column group N / out2.shape[1] = {group_n}")
     kernel_tiling = dataclasses.replace(chosen, split_k=False)  # split_k is the host's schedule alone
     key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index, epilogue.name)
     if key not in _compiled:
@@ -437,12 +443,19 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
         module = importlib.import_module(_ARCH_MODULES[arch], __package__)
         build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, epilogue)
         _compiled[key] = (runtime.ffi_function(build), _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
-    call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k, epilogue.name] = _Call(
+    call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
+                  _epilogue_key(epilogue.name, out2)] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype))
     return call
 
 
 ADD_NEEDS_OUT = "out: the 'add' epilogue adds into it, so it must be given"
+
+
+def _epilogue_key(epilogue: str, out2):
+    """The epilogue's part of a shape's key: row sums are per tile column, so their column
+    groups pick the tile width."""
+    return (epilogue, out2.shape[1]) if epilogue == "row_dot" and out2 is not None else epilogue
 
 
 def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None, stream_k: bool | None = None,
@@ -462,7 +475,10 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
 
     epilogue (kernels.epilogue, bf16 out only): "store" (out = A . B^T); "add" (out += A . B^T,
     out required); "dswiglu" (inputs=(gate, up), bf16 [M, N]: out = grad_gate, out2 = grad_up,
-    allocated when not given; returns (out, out2)).
+    allocated when not given; returns (out, out2)); "row_dot" (inputs=(x,), bf16 [M, N]: out =
+    A . B^T, and out2, fp32 [M, G], required: out2[i, j] = sum over the j-th group of N / G
+    columns of the fp32 product times x, e.g. per attention head; the tiles are N / G wide;
+    returns (out, out2)).
 
     Host cost after a shape's first call: one dict lookup and one TVM-FFI call (plus the
     allocation without out=); the C entry point checks dtypes, shapes, strides and alignment.
@@ -475,7 +491,8 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         raise ValueError(ADD_NEEDS_OUT)
     try:
         (m, k), n = a.shape, b.shape[0]
-        call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k, epilogue]
+        call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k,
+                      _epilogue_key(epilogue, out2)]
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
         kind = KINDS.get(epilogue)
         if kind is None:
@@ -489,7 +506,7 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     else:
         if out2 is None:
             out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
-        extras = (*inputs, out2)
+        extras = (*inputs, *[None] * (2 - len(inputs)), out2)
     if out is None:
         out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
     if m == 0 or n == 0:

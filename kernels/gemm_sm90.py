@@ -45,7 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
-from .epilogue import ADD, DSWIGLU, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
+from .epilogue import ADD, DSWIGLU, ROW_DOT, STORE, Epilogue, init_slot_barriers, load_slot, quad_sum, read_slot
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
                    load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
@@ -117,7 +117,9 @@ class Sm90Gemm:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
         # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
         # stores, all through the pieces of C's shared memory (staging_buffers).
-        fused = ()
+        fused, row_sums = (), ()
+        if cutlass.const_expr(self.epilogue.row_sums):
+            row_sums, out1 = (out1,), None  # fp32 [M, groups], written by plain stores
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
                 op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \
@@ -148,7 +150,7 @@ class Sm90Gemm:
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused, grouped).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                    schedule, fused, grouped, row_sums).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
                                             cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     def _storage(self, a_smem, b_smem, c_smem):
@@ -168,7 +170,7 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused, grouped):
+               flags: cute.Tensor, schedule, fused, grouped, row_sums):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -194,7 +196,7 @@ class Sm90Gemm:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      (sum(self.cluster) - 1) * self.tile_warpgroups * 4),
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *self.cluster, 1)), defer_sync=True)
-        epilogue_io = self._epilogue_io(storage, fused)
+        epilogue_io = self._epilogue_io(storage, fused, row_sums)
         if cutlass.const_expr(epilogue_io is not None):
             if warp == 0:
                 init_slot_barriers(epilogue_io[1], self.teams * t.epilogue_input_stages)
@@ -269,10 +271,10 @@ class Sm90Gemm:
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,
                           tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io)
 
-    def _epilogue_io(self, storage, fused):
+    def _epilogue_io(self, storage, fused, row_sums):
         """A fused epilogue's extra tensors in the kernel: ([(TMA atom, global tiles) of each
-        input], the slots' full barriers, [(TMA atom, global tiles) of the second output]), or
-        None for the plain store. A slot's barrier is armed by the loading thread with the
+        input], the slots' full barriers, [(TMA atom, global tiles) of the second output], the
+        fp32 row sums or None), or None for the plain store. A slot's barrier is armed by the loading thread with the
         pieces' bytes. No `empty` barrier: a slot is refilled by the team's store warp once the
         team has synced past the slot's reads and the TMA store from it has read it."""
         if cutlass.const_expr(self.epilogue is STORE):
@@ -280,7 +282,7 @@ class Sm90Gemm:
         tile = (self.tiling.tile_m, self.tiling.tile_n)
         tensors = [(fused[i], cute.local_tile(fused[i + 1], tile, (None, None, None))) for i in range(0, len(fused), 2)]
         inputs = len(self.epilogue.inputs)
-        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
+        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:], row_sums[0] if row_sums else None
 
     @cute.jit
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles, tiles_m, tiles_n,
@@ -302,6 +304,9 @@ class Sm90Gemm:
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(g_c).shape[:3], Float32)
+        # (row, column) within the tile of each of this thread's accumulators (row sums)
+        acc_coords = tiled_mma.get_slice(thread).partition_C(
+            cute.make_identity_tensor((self.tiling.tile_m, self.tiling.tile_n)))
         k_blocks = cute.size(frag_a, mode=[2])
 
         # Epilogue: accumulators -> C-typed registers -> shared memory (stmatrix for 16-bit C)
@@ -392,6 +397,8 @@ class Sm90Gemm:
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
                     self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team,
                                    team_sync, stores, is_store_warp, io, s2r)
+                    if cutlass.const_expr(io is not None and io[3] is not None):
+                        store_row_sums(acc, acc_coords, io[3], m, n, self.tiling.tile_m)
                     done += 1
         stores.producer_tail()
 
@@ -421,7 +428,14 @@ class Sm90Gemm:
                 seq = done * self.pieces + p  # the team's piece count: picks the slot and its phase
                 slot = team * stages + seq % stages
                 buffer = slot * self.slot_pieces
-                outputs = self.epilogue.apply(piece.load(), self._read_inputs(io, s2r, s_c, slot, seq, piece.shape))
+                values, ins = piece.load(), self._read_inputs(io, s2r, s_c, slot, seq, piece.shape)
+                outputs = self.epilogue.apply(values, ins)
+                if cutlass.const_expr(self.epilogue.row_sums):
+                    # this piece's accumulators are copied out: their registers keep its row terms
+                    terms = cute.make_rmem_tensor(piece.shape, Float32)
+                    terms.store(self.epilogue.row_term(values, ins))
+                    for v in cutlass.range_constexpr(cute.size(piece)):
+                        r2s_acc[p * cute.size(piece) + v] = terms[v]
                 piece.store(outputs[0])
                 sync.arrive_and_wait()  # every thread has read the slot's inputs: outputs may go over them
                 if cutlass.const_expr(len(outputs) > 1):
@@ -477,6 +491,25 @@ class Sm90SummedGemm(SummedEntry, Sm90Gemm):
 Sm90Gemm.Grouped, Sm90Gemm.Summed = Sm90GroupedGemm, Sm90SummedGemm
 
 
+@cute.jit
+def store_row_sums(terms, coords, row_sums, m, n, tile_m: int):
+    """Tile (m, n)'s row sums: `terms` holds each accumulator's row term in the warpgroup MMA's
+    layout ((2 columns, 2 rows 8 apart, column blocks), 64-row blocks, 1); each thread adds its
+    columns of a row in a fixed order, then its quad's four lanes are added (quad_sum), and the
+    quad's first lane writes row_sums[row, n] for rows inside M."""
+    lane = cute.arch.lane_idx()
+    for block in cutlass.range_constexpr(cute.size(terms, mode=[1])):
+        for half in cutlass.range_constexpr(2):
+            total = Float32(0.0)
+            for column_block in cutlass.range_constexpr(cute.size(terms.shape[0][2])):
+                for column in cutlass.range_constexpr(2):
+                    total = total + terms[(column, half, column_block), block, 0]
+            total = quad_sum(total)
+            row = m * tile_m + coords[(0, half, 0), block, 0][0]
+            if lane % 4 == 0 and row < cute.size(row_sums, mode=[0]):
+                row_sums[row, n] = total
+
+
 def tma_load_op(peers: int):
     """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
     if peers == 1:
@@ -504,6 +537,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
+    # 056's g_ao = g_attn . Wo with D = rowsum(g_ao * attn_output) per head (160 columns)
+    (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

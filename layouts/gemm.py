@@ -154,7 +154,8 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
     return first_m + within % rows, within // rows
 
 
-def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = False) -> GemmTiling:
+def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = False,
+                   group_n: int | None = None) -> GemmTiling:
     """The tiling for a product until the tuner's table exists: rules read off two sweeps of
     the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within ~10% of
     that product's best of the tilings tried.
@@ -176,7 +177,13 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = F
     `fused`: the epilogue reads [M, N] inputs. From M > 128 on sm_90a, pingpong 128 x 128 in
     2 x 1 clusters, whose epilogues run under the other warpgroup's MMAs: for 056's g_sw
     product (T = 2048, 8192) 1.09 / 1.08x the plain product against 1.12 / 1.18x with the
-    cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md)."""
+    cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md).
+    `group_n`: tiles exactly that many columns wide (the `row_dot` epilogue sums rows per
+    tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
+    2 x 1 clusters from M > 128. Not swept."""
+    if group_n:
+        return GemmTiling(tile_m=128, tile_n=group_n, cluster_m=2 if m > 128 else 1,
+                          pingpong=arch == "sm_90a" and group_n <= 128)
     if m <= 128 and n >= 8192:
         return GemmTiling(tile_m=128, tile_n=128)
     if 64 < m <= 128:

@@ -101,17 +101,18 @@ def test_epilogue_bench_table():
 
     row = {"tokens": 2048, "ours fused us": 105.0, "ours plain us": 100.0, "cuBLAS plain us": 98.0,
            "cuBLAS + torch us": 160.0, "fused / ours plain": 1.05, "fused / cuBLAS plain": 105 / 98,
-           "fused / peer": 105 / 160, "ok": True}
+           "fused / peer": 105 / 160, "burst fused / ours plain": 1.087, "ok": True}
     table = format_table([row])
-    assert "2048" in table and "1.050" in table and "ok" in table
+    assert "2048" in table and "1.050" in table and "1.087" in table and "ok" in table
 
 
 def test_grouped_bench_table():
     from cutebwd.tools.bench_grouped import format_table
 
-    row = {"tokens": 128, "ours grouped us": 30.0, "ours separate us": 40.0, "cuBLAS separate us": 42.0,
-           "floor us": 25.0, "grouped / separate": 0.75, "grouped / cuBLAS separate": 30 / 42,
-           "grouped / floor": 1.2, "ours summed us": 50.0, "ours add x3 us": 60.0, "cuBLAS addmm x3 us": 55.0,
+    row = {"tokens": 128, "ours grouped steady us": 30.0, "ours separate steady us": 40.0,
+           "cuBLAS separate steady us": 42.0, "floor us": 25.0, "grouped / separate": 0.75,
+           "burst grouped / separate": 0.812, "grouped / cuBLAS separate": 30 / 42, "grouped / floor": 1.2,
+           "ours summed steady us": 50.0, "ours add x3 steady us": 60.0, "cuBLAS addmm x3 steady us": 55.0,
            "summed / add x3": 50 / 60, "summed / cuBLAS addmm x3": 50 / 55, "ok": False}
     table = format_table([row])
-    assert "128" in table and "0.750" in table and "1.200" in table and "FAIL" in table
+    assert "128" in table and "0.750" in table and "0.812" in table and "1.200" in table and "FAIL" in table

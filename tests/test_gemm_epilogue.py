@@ -4,7 +4,7 @@ multiples, with outputs poisoned before the call."""
 import pytest
 import torch
 
-from cutebwd.kernels.epilogue import ADD, DSWIGLU, check_epilogue_tensors
+from cutebwd.kernels.epilogue import ADD, DSWIGLU, ROW_DOT, check_epilogue_tensors
 from cutebwd.kernels.gemm import matmul_nt
 from cutebwd.layouts.gemm import GemmTiling
 
@@ -103,3 +103,66 @@ def test_dswiglu_allocates_its_outputs_and_repeats_bitwise():
     assert all(torch.equal(x, y) for x, y in zip(first, again))
     plain = matmul_nt(go, wd_t)  # same shape, plain build: a separate cache entry
     assert _close(first[0], plain.float() * torch.nn.functional.silu(up.float()))
+
+
+def test_row_dot_needs_fp32_row_sums_of_whole_groups():
+    bf16 = torch.zeros(4, 6, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="^out2: the 'row_dot' epilogue writes its fp32 row sums there"):
+        check_epilogue_tensors(ROW_DOT, (bf16,), None, 4, 6, cpu)
+    with pytest.raises(TypeError, match="^out2: expected dtype float32"):
+        check_epilogue_tensors(ROW_DOT, (bf16,), torch.zeros(4, 2, dtype=torch.bfloat16), 4, 6, cpu)
+
+
+@pytest.mark.gpu
+def test_row_dot_row_sums_shape_and_stride_are_checked():
+    x = torch.zeros(4, 8, dtype=torch.bfloat16, device="cuda")
+    dev = x.device
+    with pytest.raises(ValueError, match=r"^out2: fp32 \[M, groups\] row sums with N = 8 a whole number"):
+        check_epilogue_tensors(ROW_DOT, (x,), torch.zeros(4, 3, device="cuda"), 4, 8, dev)
+    with pytest.raises(ValueError, match=r"^out2: fp32 \[M, groups\]"):
+        check_epilogue_tensors(ROW_DOT, (x,), torch.zeros(3, 2, device="cuda"), 4, 8, dev)
+    with pytest.raises(ValueError, match="^out2: unit column stride"):
+        check_epilogue_tensors(ROW_DOT, (x,), torch.zeros(2, 4, device="cuda").t(), 4, 8, dev)
+    check_epilogue_tensors(ROW_DOT, (x,), torch.zeros(4, 2, device="cuda"), 4, 8, dev)
+
+
+def _row_dot_case(m, heads, k, seed, head_dim=160):
+    """056's g_ao = g_attn . Wo ([T, H] . [H, heads * d]) with D = rowsum(g_ao * attn_output)
+    per head: operands, attn_output, and the fp32 references."""
+    n = heads * head_dim
+    g_attn, wo_t, g = _operands(m, n, k, seed)
+    attn_output = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    g_ao = g_attn.float() @ wo_t.float().t()
+    return g_attn, wo_t, attn_output, g_ao, (g_ao * attn_output.float()).view(m, heads, head_dim).sum(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", [None, GemmTiling(tile_n=160), GemmTiling(tile_m=256, tile_n=160)],
+                         ids=lambda t: t.spec if t else "default")
+@pytest.mark.parametrize("m,heads,k,stream_k", [(300, 3, 200, None), (1000, 5, 2600, True), (128, 32, 512, None),
+                                                (77, 1, 5120, None)])
+def test_row_dot_epilogue_sums_each_head(m, heads, k, stream_k, tiling):
+    g_attn, wo_t, attn_output, want, want_sums = _row_dot_case(m, heads, k, seed=m + heads)
+    out = torch.full((m, heads * 160), float("nan"), dtype=torch.bfloat16, device="cuda")
+    sums = torch.full((m, heads), float("nan"), device="cuda")
+    got = matmul_nt(g_attn, wo_t, out=out, out2=sums, epilogue="row_dot", inputs=(attn_output,), tiling=tiling,
+                    stream_k=stream_k)
+    assert got[0] is out and got[1] is sums
+    assert _close(out, want) and _close(sums, want_sums, 1e-4)
+
+
+@pytest.mark.gpu
+def test_row_dot_groups_pick_the_tile_width_and_repeat_bitwise():
+    g_attn, w_t, x, want, _ = _row_dot_case(256, 4, 320, seed=9, head_dim=128)
+    for groups in (4, 2):  # 128- then 256-column groups: same shape, two cache entries
+        sums = torch.full((256, groups), float("nan"), device="cuda")
+        first = matmul_nt(g_attn, w_t, out2=sums, epilogue="row_dot", inputs=(x,))[1].clone()
+        matmul_nt(g_attn, w_t, out2=sums, epilogue="row_dot", inputs=(x,))
+        assert torch.equal(first, sums)
+        assert _close(sums, (want * x.float()).view(256, groups, -1).sum(-1), 1e-4)
+    with pytest.raises(ValueError, match="tile_n must be the column group"):
+        matmul_nt(g_attn, w_t, out2=torch.empty(256, 4, device="cuda"), epilogue="row_dot", inputs=(x,),
+                  tiling=GemmTiling(tile_n=256))
+    with pytest.raises(ValueError, match="^out2: the 'row_dot' epilogue writes"):
+        matmul_nt(g_attn, w_t, epilogue="row_dot", inputs=(x,))

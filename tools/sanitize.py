@@ -47,6 +47,12 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue
             want = [product * up.float() * sig, product * gate.float() * sig * (1 + up.float() * (1 - sig))]
             got = matmul_nt(a, b, epilogue="dswiglu", inputs=(gate, up), tiling=picked, stream_k=stream_k)
             assert_parity(["grad_gate", "grad_up"], list(got), want, [c_dtype] * 2)
+        elif epilogue == "row_dot":  # n / 160 heads of 160 columns
+            x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+            sums = torch.empty(m, n // 160, device="cuda")
+            got = matmul_nt(a, b, out2=sums, epilogue="row_dot", inputs=(x,), tiling=picked, stream_k=stream_k)
+            assert_parity(["c", "row_sums"], list(got), [product, (product * x.float()).view(m, -1, 160).sum(-1)],
+                          [c_dtype, torch.float32])
         else:
             out = matmul_nt(a, b, out_dtype=c_dtype, tiling=picked, stream_k=stream_k)
             assert_parity(["c"], [out], [product], [c_dtype])
@@ -111,6 +117,8 @@ CASES = {
                                                                           epilogue="dswiglu"),
     "gemm epilogue add, 128x256 cluster 2x1": _gemm_case(600, 776, 320, epilogue="add", tile_m=128, tile_n=256,
                                                          cluster_m=2),
+    "gemm epilogue row_dot, 160-column heads, stream-K": _gemm_case(1000, 800, 1000, stream_k=True,
+                                                                    epilogue="row_dot"),
     "gemm grouped, 3 products, stream-K": _grouped_case((296, 136, 520), 776, 1000, stream_k=True),
     "gemm grouped, 3 summed terms, stream-K": _summed_case(300, 776, (1000, 136, 72), stream_k=True),
     "013": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),
