@@ -18,7 +18,10 @@ Kinds:
   row_sums[i, j] = sum over tile column j of acc[i, c] * x[i, c] ([M, N / tile_n], tile_n the
   column group). 056's softmax backward needs D = rowsum(g_ao * attn_output) per head: with
   tile_n = head_dim it falls out of the g_ao product, one dot per (token, head), each summed
-  in a fixed order within one tile (no cross-tile reduction, bitwise repeatable).
+  in a fixed order within one tile (no cross-tile reduction, bitwise repeatable);
+- SOFTMAX_BWD: 056's g_s = P * (g_p - D) * alpha from the accumulator of g_p = g_ao . v^T, with
+  P = attn_weights ([M, N] input), D the per-row values ([M] fp32, from row_dot) and alpha =
+  1 / sqrt(head_dim), built into the kernel.
 """
 from __future__ import annotations
 
@@ -34,10 +37,24 @@ class Epilogue:
     name: str
     inputs: tuple = ()  # names of the extra bf16 [M, N] tensors read at each element
     outputs: tuple = ("c",)  # names of the results; the first is C
-    row_sums: bool = False  # also fp32 row sums of `row_term` per tile column (out2, not TMA-moved)
+    # An fp32 per-row tensor beside the [M, N] ones, moved by plain loads and stores (not TMA):
+    # "sums" written, [M, N / tile_n] (row_dot); "values" read, [M], subtracted from each row of
+    # the accumulators before `apply` (softmax_bwd).
+    rows: str | None = None
+    alpha: float = 1.0  # softmax_bwd's scale, built into the kernel (one build per value)
+
+    @property
+    def row_sums(self) -> bool:
+        return self.rows == "sums"
+
+    @property
+    def row_values(self) -> bool:
+        return self.rows == "values"
 
     def apply(self, acc, ins):
         """fp32 TensorSSA accumulators and inputs -> fp32 TensorSSA outputs (traced in the kernel)."""
+        if self.name == "softmax_bwd":
+            return _softmax_bwd(acc, *ins, self.alpha)
         return _APPLY[self.name](acc, *ins)
 
     def row_term(self, acc, ins):
@@ -70,13 +87,19 @@ def _dswiglu(g_sw, gate, up):
     return gs * up, gs * gate * (1.0 + (up - up * sig))
 
 
+def _softmax_bwd(shifted, p, alpha):
+    # the accumulators arrive with the row's D already taken off (row_values)
+    return (p * shifted * alpha,)
+
+
 _APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu, "row_dot": lambda acc, x: (acc,)}
 _ROW_TERM = {"row_dot": lambda acc, x: acc * x}
 STORE = Epilogue("store")
 ADD = Epilogue("add", inputs=("c",))
 DSWIGLU = Epilogue("dswiglu", inputs=("gate", "up"), outputs=("grad_gate", "grad_up"))
-ROW_DOT = Epilogue("row_dot", inputs=("x",), row_sums=True)
-KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU, ROW_DOT)}
+ROW_DOT = Epilogue("row_dot", inputs=("x",), rows="sums")
+SOFTMAX_BWD = Epilogue("softmax_bwd", inputs=("p",), rows="values")
+KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD)}
 
 
 @cute.jit
@@ -117,11 +140,12 @@ def read_slot(barrier, phase, s2r, buffers, shape):
     return values
 
 
-def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, device):
+def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, device, rows=None):
     """Host side: the epilogue's inputs and second output (None: one will be allocated) are
     bf16 [M, N], row-major like C (16-byte aligned, row stride a multiple of 8), on the
-    product's device; row sums (out2 of `row_dot`, required) fp32 [M, groups] with unit column
-    stride, N a whole number of column groups."""
+    product's device; its per-row tensor `rows` (required where it has one) is fp32 with unit
+    column stride: [M, groups] row sums, N a whole number of column groups (row_dot), or [M]
+    row values (softmax_bwd)."""
     import torch
 
     from .checks import check_same_device, check_tensor, check_tma_rows
@@ -132,23 +156,38 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
     named = dict(zip(epilogue.inputs, inputs))
     if len(epilogue.outputs) > 1 and out2 is not None:
         named[epilogue.outputs[1]] = out2
-    if epilogue.row_sums:
-        if out2 is None:
-            raise ValueError(f"out2: the {epilogue.name!r} epilogue writes its fp32 row sums there, so it must be given")
-        check_tensor("out2", out2, dtypes=torch.float32, ndim=2, contiguous=False)
-        groups = out2.shape[1]
-        if out2.shape[0] != m or groups == 0 or n % groups:
-            raise ValueError(f"out2: fp32 [M, groups] row sums with N = {n} a whole number of groups, got "
-                             f"{list(out2.shape)} for M = {m}")
-        if out2.stride(1) != 1:
-            raise ValueError(f"out2: unit column stride needed, got strides {out2.stride()}")
-        check_same_device(out2=out2, **named)
+    if epilogue.rows:
+        _check_rows(epilogue, rows, m, n)
+    elif rows is not None:
+        raise ValueError(f"rows: the {epilogue.name!r} epilogue has no per-row tensor")
     for name, t in named.items():
         if t is None:
             raise ValueError(f"{name}: the {epilogue.name!r} epilogue needs it")
     for name, t in named.items():
         check_tensor(name, t, dtypes=torch.bfloat16, shape=(m, n), contiguous=False, align=16)
         check_tma_rows(name, t)
-    check_same_device(**named)
+    check_same_device(rows=rows, **named)
     if named and next(iter(named.values())).device != device:
         raise ValueError(f"the epilogue tensors are on {next(iter(named.values())).device}, the operands on {device}")
+
+
+def _check_rows(epilogue: Epilogue, rows, m: int, n: int):
+    import torch
+
+    from .checks import check_tensor
+
+    what = "writes its fp32 row sums" if epilogue.row_sums else "reads its fp32 row values"
+    if rows is None:
+        raise ValueError(f"rows: the {epilogue.name!r} epilogue {what} there, so it must be given")
+    check_tensor("rows", rows, dtypes=torch.float32, ndim=2 if epilogue.row_sums else 1, contiguous=False)
+    if epilogue.row_values:
+        if rows.shape[0] != m or rows.stride(0) != 1:
+            raise ValueError(f"rows: fp32 [M = {m}] with unit stride, got shape {list(rows.shape)} strides "
+                             f"{rows.stride()}")
+        return
+    groups = rows.shape[1]
+    if rows.shape[0] != m or groups == 0 or n % groups:
+        raise ValueError(f"rows: fp32 [M, groups] row sums with N = {n} a whole number of groups, got "
+                         f"{list(rows.shape)} for M = {m}")
+    if rows.stride(1) != 1:
+        raise ValueError(f"rows: unit column stride needed, got strides {rows.stride()}")

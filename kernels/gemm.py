@@ -39,7 +39,8 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, out1):
     M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
     tiling shares its build. in0, in1 (the epilogue's inputs) and out1 (its second output) are
-    bf16 [M, N] with unit column stride, or None where the epilogue has none. A group of two or
+    bf16 [M, N] with unit column stride, or None where the epilogue has none; an epilogue with
+    a per-row tensor (Epilogue.rows) takes it as out1 (fp32 [M, groups] or [M]). A group of two or
     three `products` sharing B takes (a0, a1, a2, b, c0, c1, c2, partials, ...) instead, each
     product with its own M (a2 and c2 None for two); a sum of products into one C (stack "k")
     takes (a0, a1, a2, b0, b1, b2, c, partials, ...), each with its own K."""
@@ -61,6 +62,8 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
     if epilogue.row_sums:  # fp32 [M, groups] row sums, written by plain stores
         out1 = runtime.fake_tensor(Float32, (m, cute.sym_int32()), (cute.sym_int64(), 1), 4)
+    if epilogue.row_values:  # fp32 [M] row values, read by plain loads
+        out1 = runtime.fake_tensor(Float32, (m,), (1,), 4)
     schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
     if products > 1 and stack == "k":
         ks = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
@@ -416,27 +419,27 @@ def _max_clusters(device, size: int) -> int:
         return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
 
 
-def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), out2=None):
+def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), out2=None, rows=None):
     """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
     import torch
 
     _check(a, b, out)
     (m, k), n = a.shape, b.shape[0]
     if epilogue is not STORE:
-        check_epilogue_tensors(epilogue, inputs, out2, m, n, a.device)
+        check_epilogue_tensors(epilogue, inputs, out2, m, n, a.device, rows)
         if c_dtype != "bfloat16":
             raise ValueError(f"out: the {epilogue.name!r} epilogue writes bf16, got {c_dtype}")
     arch = runtime.device_arch(a.device.index)
     if arch not in _ARCH_MODULES:
         raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
-    group_n = n // out2.shape[1] if epilogue.row_sums else None
+    group_n = n // rows.shape[1] if epilogue.row_sums else None
     chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n)
     if group_n and chosen.tile_n != group_n:
         raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue sums rows per tile, so tile_n must be "
-                         f"the column group N / out2.shape[1] = {group_n}")
+                         f"the column group N / rows.shape[1] = {group_n}")
     kernel_tiling = dataclasses.replace(chosen, split_k=False)  # split_k is the host's schedule alone
-    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index, epilogue.name)
+    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index, epilogue)  # (alpha included)
     if key not in _compiled:
         import importlib
 
@@ -444,7 +447,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
         build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, epilogue)
         _compiled[key] = (runtime.ffi_function(build), _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
-                  _epilogue_key(epilogue.name, out2)] = _Call(
+                  _epilogue_key(epilogue.name, rows, epilogue.alpha)] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype))
     return call
 
@@ -452,14 +455,27 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
 ADD_NEEDS_OUT = "out: the 'add' epilogue adds into it, so it must be given"
 
 
-def _epilogue_key(epilogue: str, out2):
+def _epilogue_key(epilogue: str, rows, alpha):
     """The epilogue's part of a shape's key: row sums are per tile column, so their column
-    groups pick the tile width."""
-    return (epilogue, out2.shape[1]) if epilogue == "row_dot" and out2 is not None else epilogue
+    groups pick the tile width; softmax_bwd's alpha is built into its kernel."""
+    if epilogue == "row_dot":
+        return epilogue, getattr(rows, "shape", (0, 0))[1:]
+    return (epilogue, alpha) if epilogue == "softmax_bwd" else epilogue
+
+
+def _epilogue_kind(epilogue: str, alpha):
+    kind = KINDS.get(epilogue)
+    if kind is None:
+        raise ValueError(f"epilogue: one of {sorted(KINDS)}, got {epilogue!r}")
+    if epilogue == "softmax_bwd":
+        return dataclasses.replace(kind, alpha=float(alpha))
+    if alpha != 1.0:
+        raise ValueError(f"alpha: only the 'softmax_bwd' epilogue scales, got alpha={alpha} for {epilogue!r}")
+    return kind
 
 
 def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None, stream_k: bool | None = None,
-              epilogue: str = "store", inputs=(), out2=None):
+              epilogue: str = "store", inputs=(), out2=None, rows=None, alpha: float = 1.0):
     """C[M, N] = A[M, K] . B[N, K]^T from bf16 operands with fp32 accumulation, and what a fused
     epilogue makes of it.
 
@@ -476,9 +492,10 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     epilogue (kernels.epilogue, bf16 out only): "store" (out = A . B^T); "add" (out += A . B^T,
     out required); "dswiglu" (inputs=(gate, up), bf16 [M, N]: out = grad_gate, out2 = grad_up,
     allocated when not given; returns (out, out2)); "row_dot" (inputs=(x,), bf16 [M, N]: out =
-    A . B^T, and out2, fp32 [M, G], required: out2[i, j] = sum over the j-th group of N / G
+    A . B^T, and `rows`, fp32 [M, G], required: rows[i, j] = sum over the j-th group of N / G
     columns of the fp32 product times x, e.g. per attention head; the tiles are N / G wide;
-    returns (out, out2)).
+    returns (out, rows)); "softmax_bwd" (inputs=(p,), bf16 [M, N], and `rows`, fp32 [M],
+    required: out = p * (A . B^T - rows[:, None]) * alpha; a build per alpha).
 
     Host cost after a shape's first call: one dict lookup and one TVM-FFI call (plus the
     allocation without out=); the C entry point checks dtypes, shapes, strides and alignment.
@@ -492,42 +509,47 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     try:
         (m, k), n = a.shape, b.shape[0]
         call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k,
-                      _epilogue_key(epilogue, out2)]
+                      _epilogue_key(epilogue, rows, alpha)]
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-        kind = KINDS.get(epilogue)
-        if kind is None:
-            raise ValueError(f"epilogue: one of {sorted(KINDS)}, got {epilogue!r}") from None
-        call = _resolve(a, b, out, tiling, c_dtype, stream_k, kind, (out,) if kind is ADD else inputs, out2)
+        kind = _epilogue_kind(epilogue, alpha)
+        call = _resolve(a, b, out, tiling, c_dtype, stream_k, kind, (out,) if kind is ADD else inputs, out2, rows)
         (m, k), n = a.shape, b.shape[0]
     if epilogue == "store":
         extras = (None, None, None)
     elif epilogue == "add":
         extras = (out, None, None)
-    else:
+    elif epilogue == "dswiglu":
         if out2 is None:
             out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
-        extras = (*inputs, *[None] * (2 - len(inputs)), out2)
+        extras = (*inputs, out2)
+    else:  # one input, and the per-row tensor in the second output's place
+        extras = (*inputs, None, rows)
     if out is None:
         out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
+    results = (out, out2) if epilogue == "dswiglu" else (out, rows) if epilogue == "row_dot" else out
     if m == 0 or n == 0:
-        return out if out2 is None else (out, out2)
+        return results
     if k == 0:
-        _empty_k(epilogue, out, out2)
-        return out if out2 is None else (out, out2)
+        _empty_k(epilogue, out, out2, inputs, rows, alpha)
+        return results
     try:
         call.run(a, b, out, *(call.fixed_args or (*call.workspace.get(), *call.schedule)), *extras)
     except Exception:
         _check(a, b, out)  # say which argument and why, in our words
         if epilogue != "store":
-            kind = KINDS[epilogue]
-            check_epilogue_tensors(kind, (out,) if kind is ADD else inputs, out2, m, n, a.device)
+            kind = _epilogue_kind(epilogue, alpha)
+            check_epilogue_tensors(kind, (out,) if kind is ADD else inputs, out2, m, n, a.device, rows)
         raise
-    return out if out2 is None else (out, out2)
+    return results
 
 
-def _empty_k(epilogue, out, out2):
-    """K = 0: the epilogue of a zero accumulator, with no kernel launched."""
-    if epilogue != "add":  # "add": out += 0
+def _empty_k(epilogue, out, out2, inputs, rows, alpha):
+    """K = 0: the epilogue of a zero accumulator, with no kernel launched (softmax_bwd's
+    p * (0 - rows) * alpha by PyTorch ops)."""
+    if epilogue == "softmax_bwd":
+        out.copy_(inputs[0].float() * -rows[:, None] * alpha)
+    elif epilogue != "add":  # "add": out += 0
         out.zero_()
-    if out2 is not None:
-        out2.zero_()
+    for other in (out2, rows if epilogue == "row_dot" else None):
+        if other is not None:
+            other.zero_()

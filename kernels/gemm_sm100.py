@@ -19,6 +19,7 @@ accumulator lives:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import cuda.bindings.driver as cuda
@@ -32,7 +33,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
-from .epilogue import ADD, DSWIGLU, ROW_DOT, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
+from .epilogue import ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
                    load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
@@ -109,12 +110,12 @@ class Sm100Gemm:
         tma_c, tc = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
                                                 cute.select(c_smem, mode=[0, 1]), epi_tile)
         fused = ()  # a fused epilogue's TMA atoms and tensors: inputs loaded into C's slots, out1 stored
-        row_sums = ()
-        if cutlass.const_expr(self.epilogue.row_sums):
+        rows = ()
+        if cutlass.const_expr(self.epilogue.rows is not None):
             if cutlass.const_expr(cute.size(epi_tile[0]) != t.tile_m or t.tile_m != 128):
                 raise ValueError(f"the {self.epilogue.name!r} epilogue needs 128-row CTA tiles stored whole-height "
                                  f"(one accumulator row per thread), got tile {t.spec}, subtile {epi_tile}")
-            row_sums, out1 = (out1,), None  # fp32 [M, groups], written by plain stores
+            rows, out1 = (out1,), None  # the fp32 per-row tensor: plain loads or stores, not TMA
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
                 op = cpasync.CopyBulkTensorTileS2GOp() if x is out1 else cpasync.CopyBulkTensorTileG2SOp()
@@ -148,7 +149,7 @@ class Sm100Gemm:
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
         self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
-                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped, row_sums).launch(
+                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped, rows).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1, stream=stream)  # one CTA per SM: registers need not be rationed
 
@@ -173,7 +174,7 @@ class Sm100Gemm:
                m_b: cute.Tensor, tma_c: cute.CopyAtom, m_c: cute.Tensor, cluster_vmnk: cute.Layout,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout,
                epi_tile: cute.Tile, accumulator_layout: cute.Layout, partials: cute.Tensor, flags: cute.Tensor,
-               schedule, fused, grouped, row_sums):
+               schedule, fused, grouped, rows):
         t = self.tiling
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -227,7 +228,7 @@ class Sm100Gemm:
             cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b), 0, 3))
         frag_a, frag_b = tiled_mma.make_fragment_A(s_a), tiled_mma.make_fragment_B(s_b)
         c_of_cta = thr_mma.partition_C(g_c)  # this CTA's rows of every MMA tile of C
-        io = self._epilogue_io(storage, fused, thr_mma, row_sums, m_c)
+        io = self._epilogue_io(storage, fused, thr_mma, rows, m_c)
         # A sum of products: per term (A's atom, its k-tiles, B's atom, its k-tiles), the terms'
         # k-tiles laid end to end (where each after the first starts)
         terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
@@ -383,6 +384,11 @@ class Sm100Gemm:
                 for earlier in cutlass.range(owner(tile, plan), plan[0]):
                     await_partial(flags, earlier * self.cluster_size + rank, tidx, sync)
                 row_total = Float32(0.0)  # row_dot: this thread's row (one accumulator row a thread)
+                row_value = Float32(0.0)  # softmax_bwd: what comes off this thread's row
+                if cutlass.const_expr(self.epilogue.row_values):
+                    row = self._thread_row(io, thr_t2r, epi_tile, m, n)
+                    if row < cute.size(io[3][0], mode=[0]):
+                        row_value = io[3][0][row]
                 for s in cutlass.range(subtiles):
                     cute.copy(t2r, acc[(None, None, None, s)], values)
                     # earlier k-iterations' partials, cluster by cluster in order (a fixed order)
@@ -396,15 +402,12 @@ class Sm100Gemm:
                                     s_part[(None, buffer)], product, sync, stores, is_store_warp)
                     else:
                         row_total += self._fused_piece(io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece,
-                                                       tma_c, sync, stores, is_store_warp, done + s, m, n, s, subtiles)
-                if cutlass.const_expr(io is not None and io[3] is not None):
-                    # the thread's row: that of its first element of the tile's first subtile
-                    row_sums, of_cta = io[3]
-                    coords = thr_t2r.partition_D(cute.flat_divide(of_cta[((None, None), 0, 0, None, None, None)],
-                                                                  epi_tile))
-                    row = coords[(None, None, None, 0, 0, m, n, 0)][0][0]
-                    if row < cute.size(row_sums, mode=[0]):
-                        row_sums[row, n] = row_total
+                                                       tma_c, sync, stores, is_store_warp, done + s, m, n, s, subtiles,
+                                                       row_value)
+                if cutlass.const_expr(self.epilogue.row_sums):
+                    row = self._thread_row(io, thr_t2r, epi_tile, m, n)
+                    if row < cute.size(io[3][0], mode=[0]):
+                        io[3][0][row, n] = row_total
                 done += subtiles
             # every epilogue warp has read this accumulator buffer: hand it back to the MMA warp
             sync.arrive_and_wait()
@@ -413,11 +416,11 @@ class Sm100Gemm:
             drained.advance()
         stores.producer_tail()
 
-    def _epilogue_io(self, storage, fused, thr_mma, row_sums, m_c):
+    def _epilogue_io(self, storage, fused, thr_mma, rows, m_c):
         """A fused epilogue's extra tensors: ([(TMA atom, this CTA's subtiles) of each input], the
-        slots' full barriers, [the same for the second output], (the fp32 row sums, the (row,
-        column) of each element of this CTA's share of C, tiled like C) or None), or None for
-        the plain store. Subtiles are indexed like C's (gemm_sm100._epilogue's g_parts)."""
+        slots' full barriers, [the same for the second output], (its fp32 per-row tensor, the
+        (row, column) of each element of this CTA's share of C, tiled like C) or None), or None
+        for the plain store. Subtiles are indexed like C's (gemm_sm100._epilogue's g_parts)."""
         if cutlass.const_expr(self.epilogue is STORE):
             return None
         tile = cute.slice_(self.mma_tiler, (None, None, 0))
@@ -426,11 +429,11 @@ class Sm100Gemm:
             of_cta = thr_mma.partition_C(cute.local_tile(fused[i + 1], tile, (None, None, None)))
             tensors.append((fused[i], of_cta))
         inputs = len(self.epilogue.inputs)
-        rows = None
-        if cutlass.const_expr(self.epilogue.row_sums):
-            rows = (row_sums[0], thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(m_c.shape), tile,
-                                                                     (None, None, None))))
-        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:], rows
+        per_row = None
+        if cutlass.const_expr(self.epilogue.rows is not None):
+            per_row = (rows[0], thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(m_c.shape), tile,
+                                                                    (None, None, None))))
+        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:], per_row
 
     def _subtiles(self, atom, s_c, of_cta, epi_tile, m, n):
         """(shared-memory buffers, global subtiles of MMA tile (m, n)) of one TMA-moved tensor."""
@@ -452,18 +455,28 @@ class Sm100Gemm:
             load_slot(io[1] + slot, copies, len(io[0]) * self._piece_bytes)
 
     @cute.jit
+    def _thread_row(self, io, thr_t2r, epi_tile, m, n):
+        """The row of C this thread holds in MMA tile (m, n) (per-row epilogues take 128-row
+        tiles stored whole-height: one accumulator row a thread): that of its first element."""
+        coords = thr_t2r.partition_D(cute.flat_divide(io[3][1][((None, None), 0, 0, None, None, None)], epi_tile))
+        return coords[(None, None, None, 0, 0, m, n, 0)][0][0]
+
+    @cute.jit
     def _fused_piece(self, io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece, tma_c, sync, stores,
-                     is_store_warp, seq, m, n, s, subtiles):
+                     is_store_warp, seq, m, n, s, subtiles, row_value):
         """Subtile `s` in its slot: the inputs read, the epilogue applied, the outputs written over
         the inputs and TMA-stored from there; then the slot is refilled `epilogue_input_stages`
-        subtiles on. Returns the sum of the subtile's row terms in this thread (row_dot: the
-        thread's elements are one row), else 0."""
+        subtiles on. `row_value` comes off the accumulators first (softmax_bwd). Returns the sum
+        of the subtile's row terms in this thread (row_dot: the thread's elements are one row),
+        else 0."""
         stages = self.tiling.epilogue_input_stages
         slot = seq % stages
         buffer = slot * self.slot_pieces
         pieces = s2r.partition_S(s_c)
         inputs = read_slot(io[1] + slot, (seq // stages) % 2, s2r,
                            [pieces[(None, None, None, buffer + i)] for i in range(len(io[0]))], values.shape)
+        if cutlass.const_expr(self.epilogue.row_values):
+            values.store(values.load() - row_value)
         outputs = self.epilogue.apply(values.load(), inputs)
         row_part = Float32(0.0)
         if cutlass.const_expr(self.epilogue.row_sums):
@@ -530,6 +543,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(), True, False, "bfloat16", ADD),
     # 056's g_ao = g_attn . Wo with D = rowsum(g_ao * attn_output) per head (160 columns)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
+    # 056's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
+    (GemmTiling(cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

@@ -33,6 +33,7 @@ twin. Measured against cuBLAS: tools/reports/gemm-notes.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import cuda.bindings.driver as cuda
@@ -45,7 +46,8 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
-from .epilogue import ADD, DSWIGLU, ROW_DOT, STORE, Epilogue, init_slot_barriers, load_slot, quad_sum, read_slot
+from .epilogue import (ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot, quad_sum,
+                       read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
                    load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
@@ -117,9 +119,9 @@ class Sm90Gemm:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
         # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
         # stores, all through the pieces of C's shared memory (staging_buffers).
-        fused, row_sums = (), ()
-        if cutlass.const_expr(self.epilogue.row_sums):
-            row_sums, out1 = (out1,), None  # fp32 [M, groups], written by plain stores
+        fused, rows = (), ()
+        if cutlass.const_expr(self.epilogue.rows is not None):
+            rows, out1 = (out1,), None  # the fp32 per-row tensor: plain loads or stores, not TMA
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
                 op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \
@@ -150,7 +152,7 @@ class Sm90Gemm:
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused, grouped, row_sums).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                    schedule, fused, grouped, rows).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
                                             cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     def _storage(self, a_smem, b_smem, c_smem):
@@ -170,7 +172,7 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused, grouped, row_sums):
+               flags: cute.Tensor, schedule, fused, grouped, rows):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -196,7 +198,7 @@ class Sm90Gemm:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      (sum(self.cluster) - 1) * self.tile_warpgroups * 4),
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *self.cluster, 1)), defer_sync=True)
-        epilogue_io = self._epilogue_io(storage, fused, row_sums)
+        epilogue_io = self._epilogue_io(storage, fused, rows)
         if cutlass.const_expr(epilogue_io is not None):
             if warp == 0:
                 init_slot_barriers(epilogue_io[1], self.teams * t.epilogue_input_stages)
@@ -271,10 +273,10 @@ class Sm90Gemm:
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,
                           tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io)
 
-    def _epilogue_io(self, storage, fused, row_sums):
+    def _epilogue_io(self, storage, fused, rows):
         """A fused epilogue's extra tensors in the kernel: ([(TMA atom, global tiles) of each
-        input], the slots' full barriers, [(TMA atom, global tiles) of the second output], the
-        fp32 row sums or None), or None for the plain store. A slot's barrier is armed by the loading thread with the
+        input], the slots' full barriers, [(TMA atom, global tiles) of the second output], its
+        fp32 per-row tensor or None), or None for the plain store. A slot's barrier is armed by the loading thread with the
         pieces' bytes. No `empty` barrier: a slot is refilled by the team's store warp once the
         team has synced past the slot's reads and the TMA store from it has read it."""
         if cutlass.const_expr(self.epilogue is STORE):
@@ -282,7 +284,7 @@ class Sm90Gemm:
         tile = (self.tiling.tile_m, self.tiling.tile_n)
         tensors = [(fused[i], cute.local_tile(fused[i + 1], tile, (None, None, None))) for i in range(0, len(fused), 2)]
         inputs = len(self.epilogue.inputs)
-        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:], row_sums[0] if row_sums else None
+        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:], rows[0] if rows else None
 
     @cute.jit
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles, tiles_m, tiles_n,
@@ -395,9 +397,11 @@ class Sm90Gemm:
                             theirs = earlier * self.cluster_size + rank
                             await_partial(flags, theirs, thread, team_sync)
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
+                    if cutlass.const_expr(self.epilogue.row_values):
+                        subtract_row_values(acc, acc_coords, io[3], m, self.tiling.tile_m)
                     self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team,
                                    team_sync, stores, is_store_warp, io, s2r)
-                    if cutlass.const_expr(io is not None and io[3] is not None):
+                    if cutlass.const_expr(self.epilogue.row_sums):
                         store_row_sums(acc, acc_coords, io[3], m, n, self.tiling.tile_m)
                     done += 1
         stores.producer_tail()
@@ -510,6 +514,21 @@ def store_row_sums(terms, coords, row_sums, m, n, tile_m: int):
                 row_sums[row, n] = total
 
 
+@cute.jit
+def subtract_row_values(acc, coords, row_values, m, tile_m: int):
+    """acc -= row_values[row] on each accumulator row of tile row m (rows past M: 0), in the
+    warpgroup MMA's layout (see store_row_sums); one 4-byte load per row a thread holds."""
+    for block in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+        for half in cutlass.range_constexpr(2):
+            row = m * tile_m + coords[(0, half, 0), block, 0][0]
+            value = Float32(0.0)
+            if row < cute.size(row_values, mode=[0]):
+                value = row_values[row]
+            for column_block in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
+                for column in cutlass.range_constexpr(2):
+                    acc[(column, half, column_block), block, 0] = acc[(column, half, column_block), block, 0] - value
+
+
 def tma_load_op(peers: int):
     """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
     if peers == 1:
@@ -539,6 +558,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
     # 056's g_ao = g_attn . Wo with D = rowsum(g_ao * attn_output) per head (160 columns)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
+    # 056's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
+    (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

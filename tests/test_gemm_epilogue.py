@@ -4,7 +4,7 @@ multiples, with outputs poisoned before the call."""
 import pytest
 import torch
 
-from cutebwd.kernels.epilogue import ADD, DSWIGLU, ROW_DOT, check_epilogue_tensors
+from cutebwd.kernels.epilogue import ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD, check_epilogue_tensors
 from cutebwd.kernels.gemm import matmul_nt
 from cutebwd.layouts.gemm import GemmTiling
 
@@ -105,26 +105,38 @@ def test_dswiglu_allocates_its_outputs_and_repeats_bitwise():
     assert _close(first[0], plain.float() * torch.nn.functional.silu(up.float()))
 
 
-def test_row_dot_needs_fp32_row_sums_of_whole_groups():
+def test_per_row_tensors_are_required_and_fp32():
     bf16 = torch.zeros(4, 6, dtype=torch.bfloat16)
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="^out2: the 'row_dot' epilogue writes its fp32 row sums there"):
+    with pytest.raises(ValueError, match="^rows: the 'row_dot' epilogue writes its fp32 row sums there"):
         check_epilogue_tensors(ROW_DOT, (bf16,), None, 4, 6, cpu)
-    with pytest.raises(TypeError, match="^out2: expected dtype float32"):
-        check_epilogue_tensors(ROW_DOT, (bf16,), torch.zeros(4, 2, dtype=torch.bfloat16), 4, 6, cpu)
+    with pytest.raises(TypeError, match="^rows: expected dtype float32"):
+        check_epilogue_tensors(ROW_DOT, (bf16,), None, 4, 6, cpu, torch.zeros(4, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="^rows: the 'softmax_bwd' epilogue reads its fp32 row values there"):
+        check_epilogue_tensors(SOFTMAX_BWD, (bf16,), None, 4, 6, cpu)
+    with pytest.raises(ValueError, match="^rows: the 'add' epilogue has no per-row tensor"):
+        check_epilogue_tensors(ADD, (bf16,), None, 4, 6, cpu, torch.zeros(4))
+    a = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^alpha: only the 'softmax_bwd' epilogue scales"):
+        matmul_nt(a, a, epilogue="row_dot", inputs=(a,), alpha=0.5)
 
 
 @pytest.mark.gpu
-def test_row_dot_row_sums_shape_and_stride_are_checked():
+def test_per_row_tensor_shapes_and_strides_are_checked():
     x = torch.zeros(4, 8, dtype=torch.bfloat16, device="cuda")
     dev = x.device
-    with pytest.raises(ValueError, match=r"^out2: fp32 \[M, groups\] row sums with N = 8 a whole number"):
-        check_epilogue_tensors(ROW_DOT, (x,), torch.zeros(4, 3, device="cuda"), 4, 8, dev)
-    with pytest.raises(ValueError, match=r"^out2: fp32 \[M, groups\]"):
-        check_epilogue_tensors(ROW_DOT, (x,), torch.zeros(3, 2, device="cuda"), 4, 8, dev)
-    with pytest.raises(ValueError, match="^out2: unit column stride"):
-        check_epilogue_tensors(ROW_DOT, (x,), torch.zeros(2, 4, device="cuda").t(), 4, 8, dev)
-    check_epilogue_tensors(ROW_DOT, (x,), torch.zeros(4, 2, device="cuda"), 4, 8, dev)
+    with pytest.raises(ValueError, match=r"^rows: fp32 \[M, groups\] row sums with N = 8 a whole number"):
+        check_epilogue_tensors(ROW_DOT, (x,), None, 4, 8, dev, torch.zeros(4, 3, device="cuda"))
+    with pytest.raises(ValueError, match=r"^rows: fp32 \[M, groups\]"):
+        check_epilogue_tensors(ROW_DOT, (x,), None, 4, 8, dev, torch.zeros(3, 2, device="cuda"))
+    with pytest.raises(ValueError, match="^rows: unit column stride"):
+        check_epilogue_tensors(ROW_DOT, (x,), None, 4, 8, dev, torch.zeros(2, 4, device="cuda").t())
+    check_epilogue_tensors(ROW_DOT, (x,), None, 4, 8, dev, torch.zeros(4, 2, device="cuda"))
+    with pytest.raises(ValueError, match=r"^rows: fp32 \[M = 4\] with unit stride"):
+        check_epilogue_tensors(SOFTMAX_BWD, (x,), None, 4, 8, dev, torch.zeros(8, device="cuda")[::2])
+    with pytest.raises(ValueError, match="^rows: expected 1 dimensions"):
+        check_epilogue_tensors(SOFTMAX_BWD, (x,), None, 4, 8, dev, torch.zeros(4, 1, device="cuda"))
+    check_epilogue_tensors(SOFTMAX_BWD, (x,), None, 4, 8, dev, torch.zeros(4, device="cuda"))
 
 
 def _row_dot_case(m, heads, k, seed, head_dim=160):
@@ -146,7 +158,7 @@ def test_row_dot_epilogue_sums_each_head(m, heads, k, stream_k, tiling):
     g_attn, wo_t, attn_output, want, want_sums = _row_dot_case(m, heads, k, seed=m + heads)
     out = torch.full((m, heads * 160), float("nan"), dtype=torch.bfloat16, device="cuda")
     sums = torch.full((m, heads), float("nan"), device="cuda")
-    got = matmul_nt(g_attn, wo_t, out=out, out2=sums, epilogue="row_dot", inputs=(attn_output,), tiling=tiling,
+    got = matmul_nt(g_attn, wo_t, out=out, rows=sums, epilogue="row_dot", inputs=(attn_output,), tiling=tiling,
                     stream_k=stream_k)
     assert got[0] is out and got[1] is sums
     assert _close(out, want) and _close(sums, want_sums, 1e-4)
@@ -157,12 +169,58 @@ def test_row_dot_groups_pick_the_tile_width_and_repeat_bitwise():
     g_attn, w_t, x, want, _ = _row_dot_case(256, 4, 320, seed=9, head_dim=128)
     for groups in (4, 2):  # 128- then 256-column groups: same shape, two cache entries
         sums = torch.full((256, groups), float("nan"), device="cuda")
-        first = matmul_nt(g_attn, w_t, out2=sums, epilogue="row_dot", inputs=(x,))[1].clone()
-        matmul_nt(g_attn, w_t, out2=sums, epilogue="row_dot", inputs=(x,))
+        first = matmul_nt(g_attn, w_t, rows=sums, epilogue="row_dot", inputs=(x,))[1].clone()
+        matmul_nt(g_attn, w_t, rows=sums, epilogue="row_dot", inputs=(x,))
         assert torch.equal(first, sums)
         assert _close(sums, (want * x.float()).view(256, groups, -1).sum(-1), 1e-4)
     with pytest.raises(ValueError, match="tile_n must be the column group"):
-        matmul_nt(g_attn, w_t, out2=torch.empty(256, 4, device="cuda"), epilogue="row_dot", inputs=(x,),
+        matmul_nt(g_attn, w_t, rows=torch.empty(256, 4, device="cuda"), epilogue="row_dot", inputs=(x,),
                   tiling=GemmTiling(tile_n=256))
-    with pytest.raises(ValueError, match="^out2: the 'row_dot' epilogue writes"):
+    with pytest.raises(ValueError, match="^rows: the 'row_dot' epilogue writes"):
         matmul_nt(g_attn, w_t, epilogue="row_dot", inputs=(x,))
+
+
+def _softmax_backward_case(s, head_dim, seed):
+    """One head of 056's attention backward: g_p = g_ao . v^T ([s, d] . [d, s]) and
+    g_s = P * (g_p - D) / sqrt(d), D = rowsum(P * g_p), with P a softmax of random scores."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    g_ao = torch.randn(s, head_dim, device="cuda", generator=g).bfloat16()
+    v = torch.randn(s, head_dim, device="cuda", generator=g).bfloat16()
+    p = torch.softmax(2 * torch.randn(s, s, device="cuda", generator=g), -1).bfloat16()
+    g_p = g_ao.float() @ v.float().t()
+    d = (p.float() * g_p).sum(-1)
+    return g_ao, v, p, d, p.float() * (g_p - d[:, None]) * head_dim**-0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", [None, GemmTiling(tile_n=256, cluster_m=2), GemmTiling(tile_m=64, tile_n=128)],
+                         ids=lambda t: t.spec if t else "default")
+@pytest.mark.parametrize("s,stream_k", [(296, None), (1024, True), (72, None)])  # TMA: rows of 16-byte multiples
+def test_softmax_bwd_epilogue_matches_the_reference(s, stream_k, tiling):
+    g_ao, v, p, d, want = _softmax_backward_case(s, 160, seed=s)
+    out = torch.full((s, s), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = matmul_nt(g_ao, v, out=out, epilogue="softmax_bwd", inputs=(p,), rows=d, alpha=160**-0.5, tiling=tiling,
+                    stream_k=stream_k)
+    assert got is out and _close(out, want)
+    again = matmul_nt(g_ao, v, epilogue="softmax_bwd", inputs=(p,), rows=d, alpha=160**-0.5, tiling=tiling,
+                      stream_k=stream_k)
+    assert torch.equal(again, out)
+    half = matmul_nt(g_ao, v, epilogue="softmax_bwd", inputs=(p,), rows=d, alpha=0.5 * 160**-0.5, tiling=tiling,
+                     stream_k=stream_k)  # another alpha: another build, not the cached one
+    assert _close(half, 0.5 * want)
+
+
+@pytest.mark.gpu
+def test_softmax_bwd_with_d_from_row_dot_and_empty_k():
+    """D as 056 gets it: rowsum(g_ao * attn_output) from the row_dot epilogue of the product
+    that makes g_ao (here one head, its output O = P . v)."""
+    g_ao, v, p, d, want = _softmax_backward_case(256, 160, seed=3)
+    o = (p.float() @ v.float()).bfloat16()
+    eye = torch.eye(160, device="cuda", dtype=torch.bfloat16)
+    _, d_rows = matmul_nt(g_ao, eye, epilogue="row_dot", inputs=(o,), rows=torch.empty(256, 1, device="cuda"))
+    assert _close(d_rows[:, 0], d, 2e-2)
+    got = matmul_nt(g_ao, v, epilogue="softmax_bwd", inputs=(p,), rows=d_rows[:, 0].contiguous(), alpha=160**-0.5)
+    assert _close(got, want, 2e-2)
+    empty = torch.zeros(256, 0, dtype=torch.bfloat16, device="cuda")
+    got = matmul_nt(empty, empty[:160], epilogue="softmax_bwd", inputs=(p[:, :160].contiguous(),), rows=d, alpha=2.0)
+    assert _close(got, p[:, :160].float() * -d[:, None] * 2.0)

@@ -50,9 +50,15 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue
         elif epilogue == "row_dot":  # n / 160 heads of 160 columns
             x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
             sums = torch.empty(m, n // 160, device="cuda")
-            got = matmul_nt(a, b, out2=sums, epilogue="row_dot", inputs=(x,), tiling=picked, stream_k=stream_k)
+            got = matmul_nt(a, b, rows=sums, epilogue="row_dot", inputs=(x,), tiling=picked, stream_k=stream_k)
             assert_parity(["c", "row_sums"], list(got), [product, (product * x.float()).view(m, -1, 160).sum(-1)],
                           [c_dtype, torch.float32])
+        elif epilogue == "softmax_bwd":
+            p = torch.rand(m, n, device="cuda", generator=g).bfloat16()
+            d = torch.randn(m, device="cuda", generator=g)
+            got = matmul_nt(a, b, epilogue="softmax_bwd", inputs=(p,), rows=d, alpha=0.25, tiling=picked,
+                            stream_k=stream_k)
+            assert_parity(["c"], [got], [p.float() * (product - d[:, None]) * 0.25], [c_dtype])
         else:
             out = matmul_nt(a, b, out_dtype=c_dtype, tiling=picked, stream_k=stream_k)
             assert_parity(["c"], [out], [product], [c_dtype])
@@ -119,6 +125,8 @@ CASES = {
                                                          cluster_m=2),
     "gemm epilogue row_dot, 160-column heads, stream-K": _gemm_case(1000, 800, 1000, stream_k=True,
                                                                     epilogue="row_dot"),
+    "gemm epilogue softmax_bwd, pingpong (its default), stream-K": _gemm_case(1000, 776, 1000, stream_k=True,
+                                                                              epilogue="softmax_bwd"),
     "gemm grouped, 3 products, stream-K": _grouped_case((296, 136, 520), 776, 1000, stream_k=True),
     "gemm grouped, 3 summed terms, stream-K": _summed_case(300, 776, (1000, 136, 72), stream_k=True),
     "013": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),
