@@ -21,7 +21,11 @@ Kinds:
   in a fixed order within one tile (no cross-tile reduction, bitwise repeatable);
 - SOFTMAX_BWD: 056's g_s = P * (g_p - D) * alpha from the accumulator of g_p = g_ao . v^T, with
   P = attn_weights ([M, N] input), D the per-row values ([M] fp32, from row_dot) and alpha =
-  1 / sqrt(head_dim), built into the kernel.
+  1 / sqrt(head_dim), built into the kernel;
+- ROPE_INVERSE: 056's g_q = g_qr * cos - rotate_half(g_qr) * sin from the accumulator of
+  g_qr = g_s . k_rep (likewise g_k), tiles one head (d columns) wide, cos and sin [M, d] tables
+  with equal halves (standard RoPE), so column j < d/2 pairs with j + d/2:
+  g_q[j] = g_qr[j] cos[j] + g_qr[j + d/2] sin[j], g_q[j + d/2] = g_qr[j + d/2] cos[j] - g_qr[j] sin[j].
 """
 from __future__ import annotations
 
@@ -42,6 +46,19 @@ class Epilogue:
     # the accumulators before `apply` (softmax_bwd).
     rows: str | None = None
     alpha: float = 1.0  # softmax_bwd's scale, built into the kernel (one build per value)
+    # bf16 [M, d] tables read by plain loads, indexed by (row, column within the tile): tiles are
+    # d wide (rope_inverse: cos and sin, d = head_dim)
+    tables: tuple = ()
+
+    @property
+    def side_tensors(self) -> bool:
+        """Tensors the kernel reads or writes by plain loads and stores (not TMA)."""
+        return self.rows is not None or bool(self.tables)
+
+    @property
+    def uses_slots(self) -> bool:
+        """Inputs or a second output moved through C's shared-memory slots."""
+        return bool(self.inputs) or len(self.outputs) > 1
 
     @property
     def row_sums(self) -> bool:
@@ -92,14 +109,16 @@ def _softmax_bwd(shifted, p, alpha):
     return (p * shifted * alpha,)
 
 
-_APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu, "row_dot": lambda acc, x: (acc,)}
+_APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu, "row_dot": lambda acc, x: (acc,),
+          "rope_inverse": _store}
 _ROW_TERM = {"row_dot": lambda acc, x: acc * x}
 STORE = Epilogue("store")
 ADD = Epilogue("add", inputs=("c",))
 DSWIGLU = Epilogue("dswiglu", inputs=("gate", "up"), outputs=("grad_gate", "grad_up"))
 ROW_DOT = Epilogue("row_dot", inputs=("x",), rows="sums")
 SOFTMAX_BWD = Epilogue("softmax_bwd", inputs=("p",), rows="values")
-KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD)}
+ROPE_INVERSE = Epilogue("rope_inverse", tables=("cos", "sin"))
+KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD, ROPE_INVERSE)}
 
 
 @cute.jit
@@ -145,14 +164,14 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
     bf16 [M, N], row-major like C (16-byte aligned, row stride a multiple of 8), on the
     product's device; its per-row tensor `rows` (required where it has one) is fp32 with unit
     column stride: [M, groups] row sums, N a whole number of column groups (row_dot), or [M]
-    row values (softmax_bwd)."""
+    row values (softmax_bwd); its tables (the inputs of rope_inverse) see _check_tables."""
     import torch
 
     from .checks import check_same_device, check_tensor, check_tma_rows
 
-    if len(inputs) != len(epilogue.inputs):
-        raise ValueError(f"epilogue {epilogue.name!r} reads {len(epilogue.inputs)} inputs {epilogue.inputs}, "
-                         f"got {len(inputs)}")
+    expected = epilogue.inputs + epilogue.tables  # (an epilogue has one kind or the other)
+    if len(inputs) != len(expected):
+        raise ValueError(f"epilogue {epilogue.name!r} reads {len(expected)} inputs {expected}, got {len(inputs)}")
     named = dict(zip(epilogue.inputs, inputs))
     if len(epilogue.outputs) > 1 and out2 is not None:
         named[epilogue.outputs[1]] = out2
@@ -160,15 +179,39 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
         _check_rows(epilogue, rows, m, n)
     elif rows is not None:
         raise ValueError(f"rows: the {epilogue.name!r} epilogue has no per-row tensor")
+    if epilogue.tables:
+        _check_tables(epilogue, inputs, m, n)
+        named = {}
     for name, t in named.items():
         if t is None:
             raise ValueError(f"{name}: the {epilogue.name!r} epilogue needs it")
     for name, t in named.items():
         check_tensor(name, t, dtypes=torch.bfloat16, shape=(m, n), contiguous=False, align=16)
         check_tma_rows(name, t)
-    check_same_device(rows=rows, **named)
-    if named and next(iter(named.values())).device != device:
-        raise ValueError(f"the epilogue tensors are on {next(iter(named.values())).device}, the operands on {device}")
+    others = {**named, **dict(zip(epilogue.tables, inputs))}
+    check_same_device(rows=rows, **others)
+    if others and next(iter(others.values())).device != device:
+        raise ValueError(f"the epilogue tensors are on {next(iter(others.values())).device}, the operands on {device}")
+
+
+def _check_tables(epilogue: Epilogue, tables, m: int, n: int):
+    """rope_inverse's cos and sin: bf16 [M, d], one d for both, d a multiple of 32 dividing N
+    (the tiles are one head wide), rows 16-byte aligned."""
+    import torch
+
+    from .checks import check_tensor
+
+    for name, t in zip(epilogue.tables, tables):
+        if t is None:
+            raise ValueError(f"{name}: the {epilogue.name!r} epilogue needs it")
+        check_tensor(name, t, dtypes=torch.bfloat16, ndim=2, contiguous=False, align=16)
+        if t.stride(1) != 1 or t.stride(0) % 8:
+            raise ValueError(f"{name}: expected row-major with a 16-byte multiple row stride, got strides {t.stride()}")
+    shapes = {tuple(t.shape) for t in tables}
+    d = tables[0].shape[1]
+    if len(shapes) > 1 or tables[0].shape[0] != m or d == 0 or d % 32 or n % d:
+        raise ValueError(f"{' and '.join(epilogue.tables)}: [M, d] tables of one shape, d a multiple of 32 dividing "
+                         f"N = {n}, got {sorted(shapes)} for M = {m}")
 
 
 def _check_rows(epilogue: Epilogue, rows, m: int, n: int):

@@ -40,7 +40,8 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
     tiling shares its build. in0, in1 (the epilogue's inputs) and out1 (its second output) are
     bf16 [M, N] with unit column stride, or None where the epilogue has none; an epilogue with
-    a per-row tensor (Epilogue.rows) takes it as out1 (fp32 [M, groups] or [M]). A group of two or
+    a per-row tensor (Epilogue.rows) takes it as out1 (fp32 [M, groups] or [M]), one with
+    tables (Epilogue.tables) takes them as in0, in1 (bf16 [M, d]). A group of two or
     three `products` sharing B takes (a0, a1, a2, b, c0, c1, c2, partials, ...) instead, each
     product with its own M (a2 and c2 None for two); a sum of products into one C (stack "k")
     takes (a0, a1, a2, b0, b1, b2, c, partials, ...), each with its own K."""
@@ -64,6 +65,10 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
         out1 = runtime.fake_tensor(Float32, (m, cute.sym_int32()), (cute.sym_int64(), 1), 4)
     if epilogue.row_values:  # fp32 [M] row values, read by plain loads
         out1 = runtime.fake_tensor(Float32, (m,), (1,), 4)
+    if epilogue.tables:  # bf16 [M, d] tables, read by plain (4-byte) loads
+        d = cute.sym_int32()
+        inputs = [runtime.fake_tensor(BFloat16, (m, d), (cute.sym_int64(divisibility=8), 1), 16)
+                  for _ in epilogue.tables]
     schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
     if products > 1 and stack == "k":
         ks = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
@@ -433,11 +438,11 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
     if arch not in _ARCH_MODULES:
         raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
-    group_n = n // rows.shape[1] if epilogue.row_sums else None
+    group_n = n // rows.shape[1] if epilogue.row_sums else inputs[0].shape[1] if epilogue.tables else None
     chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n)
     if group_n and chosen.tile_n != group_n:
-        raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue sums rows per tile, so tile_n must be "
-                         f"the column group N / rows.shape[1] = {group_n}")
+        raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
+                         f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")
     kernel_tiling = dataclasses.replace(chosen, split_k=False)  # split_k is the host's schedule alone
     key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index, epilogue)  # (alpha included)
     if key not in _compiled:
@@ -447,7 +452,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
         build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, epilogue)
         _compiled[key] = (runtime.ffi_function(build), _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
-                  _epilogue_key(epilogue.name, rows, epilogue.alpha)] = _Call(
+                  _epilogue_key(epilogue.name, rows, epilogue.alpha, inputs)] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype))
     return call
 
@@ -455,11 +460,14 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
 ADD_NEEDS_OUT = "out: the 'add' epilogue adds into it, so it must be given"
 
 
-def _epilogue_key(epilogue: str, rows, alpha):
-    """The epilogue's part of a shape's key: row sums are per tile column, so their column
-    groups pick the tile width; softmax_bwd's alpha is built into its kernel."""
+def _epilogue_key(epilogue: str, rows, alpha, inputs):
+    """The epilogue's part of a shape's key: row sums are per tile column and tables one tile
+    wide, so their column groups pick the tile width; softmax_bwd's alpha is built into its
+    kernel."""
     if epilogue == "row_dot":
         return epilogue, getattr(rows, "shape", (0, 0))[1:]
+    if epilogue == "rope_inverse":
+        return epilogue, getattr(inputs[0] if inputs else None, "shape", (0, 0))[1:]
     return (epilogue, alpha) if epilogue == "softmax_bwd" else epilogue
 
 
@@ -495,7 +503,10 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     A . B^T, and `rows`, fp32 [M, G], required: rows[i, j] = sum over the j-th group of N / G
     columns of the fp32 product times x, e.g. per attention head; the tiles are N / G wide;
     returns (out, rows)); "softmax_bwd" (inputs=(p,), bf16 [M, N], and `rows`, fp32 [M],
-    required: out = p * (A . B^T - rows[:, None]) * alpha; a build per alpha).
+    required: out = p * (A . B^T - rows[:, None]) * alpha; a build per alpha); "rope_inverse"
+    (inputs=(cos, sin), bf16 [M, d] RoPE tables with equal halves: out = the inverse rotation of
+    A . B^T in every d-column head, out[:, j] = acc[:, j] cos[:, j] - rotate_half(acc)[:, j]
+    sin[:, j]; the tiles are d wide).
 
     Host cost after a shape's first call: one dict lookup and one TVM-FFI call (plus the
     allocation without out=); the C entry point checks dtypes, shapes, strides and alignment.
@@ -509,7 +520,7 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     try:
         (m, k), n = a.shape, b.shape[0]
         call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k,
-                      _epilogue_key(epilogue, rows, alpha)]
+                      _epilogue_key(epilogue, rows, alpha, inputs)]
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
         kind = _epilogue_kind(epilogue, alpha)
         call = _resolve(a, b, out, tiling, c_dtype, stream_k, kind, (out,) if kind is ADD else inputs, out2, rows)
@@ -522,6 +533,8 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         if out2 is None:
             out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
         extras = (*inputs, out2)
+    elif epilogue == "rope_inverse":
+        extras = (*inputs, None)
     else:  # one input, and the per-row tensor in the second output's place
         extras = (*inputs, None, rows)
     if out is None:
@@ -548,7 +561,7 @@ def _empty_k(epilogue, out, out2, inputs, rows, alpha):
     p * (0 - rows) * alpha by PyTorch ops)."""
     if epilogue == "softmax_bwd":
         out.copy_(inputs[0].float() * -rows[:, None] * alpha)
-    elif epilogue != "add":  # "add": out += 0
+    elif epilogue != "add":  # "add": out += 0 (rope_inverse: a rotation of zeros)
         out.zero_()
     for other in (out2, rows if epilogue == "row_dot" else None):
         if other is not None:

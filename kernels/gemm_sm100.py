@@ -33,13 +33,15 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
-from .epilogue import ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot, read_slot
+from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
+                       read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
                    load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
 EPILOGUE_THREADS = 32 * len(EPILOGUE_WARPS)
+ROPE_SUBTILE = 16  # rope_inverse's subtile width: d/2 (80 for 056's d = 160) is a whole number of them
 ACCUMULATORS = 2  # tensor-memory accumulator buffers: the epilogue of one unit under the next's MMAs
 # Named barriers (0 is the CTA-wide one): the epilogue warps among themselves, and the
 # epilogue + MMA warps around the tensor-memory allocation.
@@ -93,6 +95,9 @@ class Sm100Gemm:
         # (V, M, N, 1) view of the cluster: V = the CTA pair of a 2-CTA MMA
         cluster_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster, 1)), (tiled_mma.thr_id.shape,))
         epi_tile = sm100.compute_epilogue_tile_shape(self.cta_tile, self.two_cta, self.c_layout, self.c_dtype)
+        if cutlass.const_expr(self.epilogue.tables):
+            # rope_inverse pairs column blocks d/2 apart: 16-column subtiles (d a multiple of 32)
+            epi_tile = (cute.make_layout(t.tile_m), cute.make_layout(ROPE_SUBTILE))
         c_smem = sm100.make_smem_layout_epi(self.c_dtype, self.c_layout, epi_tile, self.c_buffers)
         self._piece_bytes = cute.size_in_bytes(self.c_dtype, cute.select(c_smem, mode=[0, 1]))
         one_stage = (cute.size_in_bytes(BFloat16, sm100.make_smem_layout_a(tiled_mma, self.mma_tiler, BFloat16, 1))
@@ -110,12 +115,17 @@ class Sm100Gemm:
         tma_c, tc = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
                                                 cute.select(c_smem, mode=[0, 1]), epi_tile)
         fused = ()  # a fused epilogue's TMA atoms and tensors: inputs loaded into C's slots, out1 stored
-        rows = ()
-        if cutlass.const_expr(self.epilogue.rows is not None):
+        # the epilogue's side tensors, moved by plain loads and stores (not TMA): its fp32 per-row
+        # tensor, or its tables; both take one accumulator row a thread (128-row tiles stored
+        # whole-height)
+        side = ()
+        if cutlass.const_expr(self.epilogue.side_tensors):
             if cutlass.const_expr(cute.size(epi_tile[0]) != t.tile_m or t.tile_m != 128):
                 raise ValueError(f"the {self.epilogue.name!r} epilogue needs 128-row CTA tiles stored whole-height "
                                  f"(one accumulator row per thread), got tile {t.spec}, subtile {epi_tile}")
-            rows, out1 = (out1,), None  # the fp32 per-row tensor: plain loads or stores, not TMA
+            side, out1 = ((out1,), None) if cutlass.const_expr(self.epilogue.rows is not None) else ((in0, in1), out1)
+            if cutlass.const_expr(self.epilogue.tables):
+                in0 = in1 = None
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
                 op = cpasync.CopyBulkTensorTileS2GOp() if x is out1 else cpasync.CopyBulkTensorTileG2SOp()
@@ -149,7 +159,7 @@ class Sm100Gemm:
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
         self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
-                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped, rows).launch(
+                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped, side).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1, stream=stream)  # one CTA per SM: registers need not be rationed
 
@@ -174,7 +184,7 @@ class Sm100Gemm:
                m_b: cute.Tensor, tma_c: cute.CopyAtom, m_c: cute.Tensor, cluster_vmnk: cute.Layout,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout,
                epi_tile: cute.Tile, accumulator_layout: cute.Layout, partials: cute.Tensor, flags: cute.Tensor,
-               schedule, fused, grouped, rows):
+               schedule, fused, grouped, side):
         t = self.tiling
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -228,7 +238,10 @@ class Sm100Gemm:
             cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b), 0, 3))
         frag_a, frag_b = tiled_mma.make_fragment_A(s_a), tiled_mma.make_fragment_B(s_b)
         c_of_cta = thr_mma.partition_C(g_c)  # this CTA's rows of every MMA tile of C
-        io = self._epilogue_io(storage, fused, thr_mma, rows, m_c)
+        io = self._epilogue_io(storage, fused, thr_mma)
+        # (row, column, 0) of each element of this CTA's share of C, tiled like C (side tensors)
+        coords = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(m_c.shape),
+                                                     cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)))
         # A sum of products: per term (A's atom, its k-tiles, B's atom, its k-tiles), the terms'
         # k-tiles laid end to end (where each after the first starts)
         terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
@@ -315,13 +328,14 @@ class Sm100Gemm:
             tmem.wait_for_alloc()
             accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
             self._epilogue(tidx, tiled_mma, accumulators, accumulator_ready, s_c, products, starts, epi_tile,
-                           schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp, io)
+                           schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp, io,
+                           (side, coords))
             tmem.relinquish_alloc_permit()
             tmem.free(accumulators.iterator)
 
     @cute.jit
     def _epilogue(self, tidx, tiled_mma, accumulators, accumulator_ready, s_c, products, starts, epi_tile, schedule,
-                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp, io):
+                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp, io, side):
         """Epilogue warps: per unit, the accumulator buffer -> registers, one subtile at a time,
         then either to this CTA's partial-tile slot (stream-K, not the tile's last k-iterations)
         or, after adding the earlier partials in cluster order, through gemm.store_piece."""
@@ -385,11 +399,17 @@ class Sm100Gemm:
                     await_partial(flags, earlier * self.cluster_size + rank, tidx, sync)
                 row_total = Float32(0.0)  # row_dot: this thread's row (one accumulator row a thread)
                 row_value = Float32(0.0)  # softmax_bwd: what comes off this thread's row
+                (tensors, coords), row = side, Int32(0)
+                if cutlass.const_expr(self.epilogue.side_tensors):
+                    row = self._thread_row(coords, thr_t2r, epi_tile, m, n)
                 if cutlass.const_expr(self.epilogue.row_values):
-                    row = self._thread_row(io, thr_t2r, epi_tile, m, n)
-                    if row < cute.size(io[3][0], mode=[0]):
-                        row_value = io[3][0][row]
-                for s in cutlass.range(subtiles):
+                    if row < cute.size(tensors[0], mode=[0]):
+                        row_value = tensors[0][row]
+                if cutlass.const_expr(self.epilogue.tables):
+                    self._rotate_back(t2r, acc, values, partials, owner(tile, plan), plan[0], rank, vectors_per_subtile,
+                                      tidx, subtiles, tensors, row, r2s, r2s_dst, products, g_pieces, s_part, product,
+                                      sync, stores, is_store_warp, done)
+                for s in cutlass.range(0 if self.epilogue.tables else subtiles):
                     cute.copy(t2r, acc[(None, None, None, s)], values)
                     # earlier k-iterations' partials, cluster by cluster in order (a fixed order)
                     for earlier in cutlass.range(owner(tile, plan), plan[0]):
@@ -405,9 +425,8 @@ class Sm100Gemm:
                                                        tma_c, sync, stores, is_store_warp, done + s, m, n, s, subtiles,
                                                        row_value)
                 if cutlass.const_expr(self.epilogue.row_sums):
-                    row = self._thread_row(io, thr_t2r, epi_tile, m, n)
-                    if row < cute.size(io[3][0], mode=[0]):
-                        io[3][0][row, n] = row_total
+                    if row < cute.size(tensors[0], mode=[0]):
+                        tensors[0][row, n] = row_total
                 done += subtiles
             # every epilogue warp has read this accumulator buffer: hand it back to the MMA warp
             sync.arrive_and_wait()
@@ -416,12 +435,11 @@ class Sm100Gemm:
             drained.advance()
         stores.producer_tail()
 
-    def _epilogue_io(self, storage, fused, thr_mma, rows, m_c):
-        """A fused epilogue's extra tensors: ([(TMA atom, this CTA's subtiles) of each input], the
-        slots' full barriers, [the same for the second output], (its fp32 per-row tensor, the
-        (row, column) of each element of this CTA's share of C, tiled like C) or None), or None
-        for the plain store. Subtiles are indexed like C's (gemm_sm100._epilogue's g_parts)."""
-        if cutlass.const_expr(self.epilogue is STORE):
+    def _epilogue_io(self, storage, fused, thr_mma):
+        """A fused epilogue's slot tensors: ([(TMA atom, this CTA's subtiles) of each input], the
+        slots' full barriers, [the same for the second output]), or None where nothing goes
+        through slots (the plain store, rope_inverse). Subtiles are indexed like C's (gemm_sm100._epilogue's g_parts)."""
+        if cutlass.const_expr(not self.epilogue.uses_slots):
             return None
         tile = cute.slice_(self.mma_tiler, (None, None, 0))
         tensors = []
@@ -429,11 +447,7 @@ class Sm100Gemm:
             of_cta = thr_mma.partition_C(cute.local_tile(fused[i + 1], tile, (None, None, None)))
             tensors.append((fused[i], of_cta))
         inputs = len(self.epilogue.inputs)
-        per_row = None
-        if cutlass.const_expr(self.epilogue.rows is not None):
-            per_row = (rows[0], thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(m_c.shape), tile,
-                                                                    (None, None, None))))
-        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:], per_row
+        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
 
     def _subtiles(self, atom, s_c, of_cta, epi_tile, m, n):
         """(shared-memory buffers, global subtiles of MMA tile (m, n)) of one TMA-moved tensor."""
@@ -455,11 +469,43 @@ class Sm100Gemm:
             load_slot(io[1] + slot, copies, len(io[0]) * self._piece_bytes)
 
     @cute.jit
-    def _thread_row(self, io, thr_t2r, epi_tile, m, n):
-        """The row of C this thread holds in MMA tile (m, n) (per-row epilogues take 128-row
+    def _thread_row(self, coords, thr_t2r, epi_tile, m, n):
+        """The row of C this thread holds in MMA tile (m, n) (side-tensor epilogues take 128-row
         tiles stored whole-height: one accumulator row a thread): that of its first element."""
-        coords = thr_t2r.partition_D(cute.flat_divide(io[3][1][((None, None), 0, 0, None, None, None)], epi_tile))
-        return coords[(None, None, None, 0, 0, m, n, 0)][0][0]
+        of_thread = thr_t2r.partition_D(cute.flat_divide(coords[((None, None), 0, 0, None, None, None)], epi_tile))
+        return of_thread[(None, None, None, 0, 0, m, n, 0)][0][0]
+
+    @cute.jit
+    def _rotate_back(self, t2r, acc, values, partials, first_owner, owners_end, rank, vectors_per_subtile, tidx,
+                     subtiles, tables, row, r2s, r2s_dst, products, g_pieces, s_part, product, sync, stores,
+                     is_store_warp, done):
+        """rope_inverse, one head a tile: 16-column subtile s < d/32 and its partner s + d/32
+        (columns d/2 on) read together, the earlier k-iterations' partials added to both, the
+        inverse rotation applied with cos and sin of this thread's row (16 columns, two 16-byte
+        loads each; the halves are equal, so subtile s's columns serve both), both stored.
+        A thread's subtile values are its row's 16 consecutive columns (32dp32b loads)."""
+        half = subtiles // 2
+        partner = cute.make_rmem_tensor(values.layout, Float32)
+        cos_sin = [cute.make_rmem_tensor(values.layout, Float32) for _ in tables]
+        for s in cutlass.range(half):
+            for subtile, staged in ((s, values), (s + half, partner)):
+                cute.copy(t2r, acc[(None, None, None, subtile)], staged)
+                for earlier in cutlass.range(first_owner, owners_end):  # a fixed order, as unrotated tiles
+                    add_partial(staged, partials[earlier * self.cluster_size + rank, None],
+                                subtile * vectors_per_subtile, tidx, EPILOGUE_THREADS)
+            if row < cute.size(tables[0], mode=[0]):
+                for table, wide in zip(tables, cos_sin):
+                    narrow = cute.make_rmem_tensor(values.layout, BFloat16)
+                    cute.autovec_copy(cute.local_tile(table, (1, ROPE_SUBTILE), (row, s)), narrow)
+                    wide.store(narrow.load().to(Float32))
+                first, second = values.load(), partner.load()
+                values.store(first * cos_sin[0].load() + second * cos_sin[1].load())
+                partner.store(second * cos_sin[0].load() - first * cos_sin[1].load())
+            for subtile, staged, order in ((s, values, 0), (s + half, partner, 1)):
+                buffer = (done + 2 * s + order) % self.tiling.epilogue_stages
+                store_piece(r2s.retile(staged), self.c_dtype, r2s, r2s_dst, buffer,
+                            [(p[2], g[(None, subtile)]) for p, g in zip(products, g_pieces)], s_part[(None, buffer)],
+                            product, sync, stores, is_store_warp)
 
     @cute.jit
     def _fused_piece(self, io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece, tma_c, sync, stores,
@@ -545,6 +591,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
     # 056's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
     (GemmTiling(cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),
+    # 056's g_q = inverse RoPE of g_qr = g_s . k_rep, one 160-column head a tile
+    (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

@@ -46,8 +46,8 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
-from .epilogue import (ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot, quad_sum,
-                       read_slot)
+from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
+                       quad_sum, read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
                    load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
 
@@ -119,9 +119,13 @@ class Sm90Gemm:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
         # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
         # stores, all through the pieces of C's shared memory (staging_buffers).
-        fused, rows = (), ()
+        # the epilogue's side tensors, moved by plain loads and stores (not TMA): its fp32 per-row
+        # tensor, or its tables
+        fused, side = (), ()
         if cutlass.const_expr(self.epilogue.rows is not None):
-            rows, out1 = (out1,), None  # the fp32 per-row tensor: plain loads or stores, not TMA
+            side, out1 = (out1,), None
+        if cutlass.const_expr(self.epilogue.tables):
+            side, in0, in1 = (in0, in1), None, None
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
                 op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \
@@ -152,7 +156,7 @@ class Sm90Gemm:
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused, grouped, rows).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                    schedule, fused, grouped, side).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
                                             cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     def _storage(self, a_smem, b_smem, c_smem):
@@ -172,7 +176,7 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused, grouped, rows):
+               flags: cute.Tensor, schedule, fused, grouped, side):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -198,7 +202,7 @@ class Sm90Gemm:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      (sum(self.cluster) - 1) * self.tile_warpgroups * 4),
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *self.cluster, 1)), defer_sync=True)
-        epilogue_io = self._epilogue_io(storage, fused, rows)
+        epilogue_io = self._epilogue_io(storage, fused)
         if cutlass.const_expr(epilogue_io is not None):
             if warp == 0:
                 init_slot_barriers(epilogue_io[1], self.teams * t.epilogue_input_stages)
@@ -271,24 +275,24 @@ class Sm90Gemm:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,
-                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io)
+                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io, side)
 
-    def _epilogue_io(self, storage, fused, rows):
-        """A fused epilogue's extra tensors in the kernel: ([(TMA atom, global tiles) of each
-        input], the slots' full barriers, [(TMA atom, global tiles) of the second output], its
-        fp32 per-row tensor or None), or None for the plain store. A slot's barrier is armed by the loading thread with the
+    def _epilogue_io(self, storage, fused):
+        """A fused epilogue's slot tensors in the kernel: ([(TMA atom, global tiles) of each
+        input], the slots' full barriers, [(TMA atom, global tiles) of the second output]), or
+        None where nothing goes through slots (the plain store, rope_inverse). A slot's barrier is armed by the loading thread with the
         pieces' bytes. No `empty` barrier: a slot is refilled by the team's store warp once the
         team has synced past the slot's reads and the TMA store from it has read it."""
-        if cutlass.const_expr(self.epilogue is STORE):
+        if cutlass.const_expr(not self.epilogue.uses_slots):
             return None
         tile = (self.tiling.tile_m, self.tiling.tile_n)
         tensors = [(fused[i], cute.local_tile(fused[i + 1], tile, (None, None, None))) for i in range(0, len(fused), 2)]
         inputs = len(self.epilogue.inputs)
-        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:], rows[0] if rows else None
+        return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
 
     @cute.jit
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles, tiles_m, tiles_n,
-                 cluster_coord, partials, flags, ctidx, warp, io):
+                 cluster_coord, partials, flags, ctidx, warp, io, side):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
         stream-K units hand partial tiles on or gather them first. A team works each unit: all
         consumer warpgroups (cooperative), or one warpgroup, the two taking units in turn
@@ -398,11 +402,13 @@ class Sm90Gemm:
                             await_partial(flags, theirs, thread, team_sync)
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
                     if cutlass.const_expr(self.epilogue.row_values):
-                        subtract_row_values(acc, acc_coords, io[3], m, self.tiling.tile_m)
+                        subtract_row_values(acc, acc_coords, side[0], m, self.tiling.tile_m)
+                    if cutlass.const_expr(self.epilogue.tables):
+                        rotate_back(acc, acc_coords, side[0], side[1], m, self.tiling.tile_m)
                     self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team,
                                    team_sync, stores, is_store_warp, io, s2r)
                     if cutlass.const_expr(self.epilogue.row_sums):
-                        store_row_sums(acc, acc_coords, io[3], m, n, self.tiling.tile_m)
+                        store_row_sums(acc, acc_coords, side[0], m, n, self.tiling.tile_m)
                     done += 1
         stores.producer_tail()
 
@@ -529,6 +535,35 @@ def subtract_row_values(acc, coords, row_values, m, tile_m: int):
                     acc[(column, half, column_block), block, 0] = acc[(column, half, column_block), block, 0] - value
 
 
+@cute.jit
+def rotate_back(acc, coords, cos, sin, m, tile_m: int):
+    """Inverse RoPE of tile row m, one head a tile (tile_n = d), in the warpgroup MMA's layout
+    (see store_row_sums): column j < d/2 and its partner j + d/2 sit in the same thread, column
+    blocks v and v + d/16. cos and sin (equal halves) are read at j < d/2 only, a pair of
+    adjacent columns per 4-byte load; rows past M are left alone (their accumulators are zero
+    and the store clips them)."""
+    pairs = (cute.zipped_divide(cos, (1, 2)), cute.zipped_divide(sin, (1, 2)))  # ((1, 2), (M, d / 2))
+    partner = cute.size(acc.shape[0][2]) // 2
+    for block in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+        for half in cutlass.range_constexpr(2):
+            row = m * tile_m + coords[(0, half, 0), block, 0][0]
+            if row < cute.size(cos, mode=[0]):
+                for column_block in cutlass.range_constexpr(partner):
+                    pair = coords[(0, half, column_block), block, 0][1] // 2
+                    tables = []
+                    for table in pairs:
+                        staged, wide = cute.make_rmem_tensor((1, 2), BFloat16), cute.make_rmem_tensor((1, 2), Float32)
+                        cute.autovec_copy(table[(None, (row, pair))], staged)
+                        wide.store(staged.load().to(Float32))
+                        tables.append(wide)
+                    for column in cutlass.range_constexpr(2):
+                        first = acc[(column, half, column_block), block, 0]
+                        second = acc[(column, half, column_block + partner), block, 0]
+                        c, s = tables[0][0, column], tables[1][0, column]
+                        acc[(column, half, column_block), block, 0] = first * c + second * s
+                        acc[(column, half, column_block + partner), block, 0] = second * c - first * s
+
+
 def tma_load_op(peers: int):
     """A TMA load, multicast when `peers` CTAs of the cluster share the tile."""
     if peers == 1:
@@ -560,6 +595,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
     # 056's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
     (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),
+    # 056's g_q = inverse RoPE of g_qr = g_s . k_rep, one 160-column head a tile (B N-major: k_rep read in place)
+    (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

@@ -4,7 +4,7 @@ multiples, with outputs poisoned before the call."""
 import pytest
 import torch
 
-from cutebwd.kernels.epilogue import ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD, check_epilogue_tensors
+from cutebwd.kernels.epilogue import ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, check_epilogue_tensors
 from cutebwd.kernels.gemm import matmul_nt
 from cutebwd.layouts.gemm import GemmTiling
 
@@ -224,3 +224,74 @@ def test_softmax_bwd_with_d_from_row_dot_and_empty_k():
     empty = torch.zeros(256, 0, dtype=torch.bfloat16, device="cuda")
     got = matmul_nt(empty, empty[:160], epilogue="softmax_bwd", inputs=(p[:, :160].contiguous(),), rows=d, alpha=2.0)
     assert _close(got, p[:, :160].float() * -d[:, None] * 2.0)
+
+
+def _rope_tables(m, d, seed, device="cuda"):
+    """Standard RoPE cos and sin [m, d] (equal halves) for positions 0..m-1, rounded to bf16."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device).float() / d))
+    angles = torch.arange(m, device=device).float()[:, None] * inv_freq[None, :] + seed
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().bfloat16(), angles.sin().bfloat16()
+
+
+def _rotate_half(t):
+    half = t.shape[-1] // 2
+    return torch.cat([-t[..., half:], t[..., :half]], -1)
+
+
+def test_rope_tables_are_checked():
+    cos = torch.zeros(4, 64, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="reads 2 inputs"):
+        check_epilogue_tensors(ROPE_INVERSE, (cos,), None, 4, 128, cpu)
+    with pytest.raises(TypeError, match="^cos: expected dtype bfloat16"):
+        check_epilogue_tensors(ROPE_INVERSE, (cos.float(), cos), None, 4, 128, cpu)
+
+
+@pytest.mark.gpu
+def test_rope_table_shapes_are_checked():
+    cos = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+    dev = cos.device
+    with pytest.raises(ValueError, match=r"^cos and sin: \[M, d\] tables of one shape, d a multiple of 32 dividing"):
+        check_epilogue_tensors(ROPE_INVERSE, (cos, cos), None, 4, 96, dev)  # 64 does not divide 96
+    with pytest.raises(ValueError, match=r"^cos and sin: \[M, d\] tables of one shape"):
+        check_epilogue_tensors(ROPE_INVERSE, (cos, cos[:, :32]), None, 4, 128, dev)
+    with pytest.raises(ValueError, match="^sin: expected row-major"):
+        check_epilogue_tensors(ROPE_INVERSE, (cos, torch.zeros(64, 4, dtype=torch.bfloat16, device="cuda").t()),
+                               None, 4, 128, dev)
+    check_epilogue_tensors(ROPE_INVERSE, (cos, cos), None, 4, 128, dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", [None, GemmTiling(tile_n=160), GemmTiling(tile_m=256, tile_n=160)],
+                         ids=lambda t: t.spec if t else "default")
+@pytest.mark.parametrize("m,heads,k,stream_k", [(211, 1, 211, None), (1000, 3, 2600, True), (128, 4, 512, None)])
+def test_rope_inverse_epilogue_matches_the_reference(m, heads, k, stream_k, tiling):
+    """056's g_q = g_qr * cos - rotate_half(g_qr) * sin from g_qr = g_s . k_rep ([s, s] . [s, d]:
+    B = k_rep^T read N-major in place), heads of d = 160 side by side, cos/sin broadcast."""
+    d = 160
+    g = torch.Generator(device="cuda").manual_seed(m + heads)
+    g_s = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    k_rep = torch.randn(k, heads * d, device="cuda", generator=g).bfloat16()
+    cos, sin = _rope_tables(m, d, seed=heads)
+    g_qr = (g_s.float() @ k_rep.float()).view(m, heads, d)
+    want = (g_qr * cos.float()[:, None] - _rotate_half(g_qr) * sin.float()[:, None]).view(m, heads * d)
+    out = torch.full((m, heads * d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = matmul_nt(g_s, k_rep.t(), out=out, epilogue="rope_inverse", inputs=(cos, sin), tiling=tiling,
+                    stream_k=stream_k)
+    assert got is out and _close(out, want)
+    assert torch.equal(matmul_nt(g_s, k_rep.t(), epilogue="rope_inverse", inputs=(cos, sin), tiling=tiling,
+                                 stream_k=stream_k), out)
+
+
+@pytest.mark.gpu
+def test_rope_inverse_heads_of_128_undo_the_rotation():
+    """A forward rotation then our inverse gives the product back (d = 128: pingpong tiles)."""
+    m, d, k = 256, 128, 192
+    a, b, _ = _operands(m, 2 * d, k, seed=11)
+    cos, sin = _rope_tables(m, d, seed=0)
+    plain = (a.float() @ b.float().t()).view(m, 2, d)
+    got = matmul_nt(a, b, epilogue="rope_inverse", inputs=(cos, sin)).float().view(m, 2, d)
+    back = got * cos.float()[:, None] + _rotate_half(got) * sin.float()[:, None]
+    assert _close(back, plain, 2e-2)  # cos^2 + sin^2 = 1 up to the bf16 tables
+    assert not _close(got, plain)  # (it did rotate)

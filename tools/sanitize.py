@@ -53,6 +53,14 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue
             got = matmul_nt(a, b, rows=sums, epilogue="row_dot", inputs=(x,), tiling=picked, stream_k=stream_k)
             assert_parity(["c", "row_sums"], list(got), [product, (product * x.float()).view(m, -1, 160).sum(-1)],
                           [c_dtype, torch.float32])
+        elif epilogue == "rope_inverse":  # n / 160 heads of 160 columns
+            angles = torch.rand(m, 80, device="cuda", generator=g).repeat(1, 2) * 6.3
+            cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+            heads = product.view(m, -1, 160)
+            rotated = torch.cat([-heads[..., 80:], heads[..., :80]], -1)
+            want = (heads * cos.float()[:, None] - rotated * sin.float()[:, None]).view(m, n)
+            got = matmul_nt(a, b, epilogue="rope_inverse", inputs=(cos, sin), tiling=picked, stream_k=stream_k)
+            assert_parity(["c"], [got], [want], [c_dtype])
         elif epilogue == "softmax_bwd":
             p = torch.rand(m, n, device="cuda", generator=g).bfloat16()
             d = torch.randn(m, device="cuda", generator=g)
@@ -127,6 +135,8 @@ CASES = {
                                                                     epilogue="row_dot"),
     "gemm epilogue softmax_bwd, pingpong (its default), stream-K": _gemm_case(1000, 776, 1000, stream_k=True,
                                                                               epilogue="softmax_bwd"),
+    "gemm epilogue rope_inverse, 160-column heads, stream-K": _gemm_case(1000, 800, 1000, stream_k=True,
+                                                                         epilogue="rope_inverse"),
     "gemm grouped, 3 products, stream-K": _grouped_case((296, 136, 520), 776, 1000, stream_k=True),
     "gemm grouped, 3 summed terms, stream-K": _summed_case(300, 776, (1000, 136, 72), stream_k=True),
     "013": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),
