@@ -97,7 +97,7 @@ def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool,
     if products not in (1, 2, 3) or products > 1 and epilogue is not STORE:
         raise ValueError(f"a group is 2 or 3 plain products, got {products} with epilogue {epilogue.name!r}")
     cls = kernel_class if products == 1 else kernel_class.Summed if stack == "k" else kernel_class.Grouped
-    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue.name, products, stack),
+    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack),
                                   cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
                                   *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
