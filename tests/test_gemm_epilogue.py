@@ -17,17 +17,25 @@ def test_unknown_epilogue_and_add_without_out_are_errors():
         matmul_nt(a, a, epilogue="add")
 
 
-def test_epilogue_tensor_errors_name_the_tensor():
-    bf16 = torch.zeros(4, 6, dtype=torch.bfloat16)
-    cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="reads 2 inputs"):
-        check_epilogue_tensors(DSWIGLU, (bf16,), bf16, 4, 6, cpu)
-    with pytest.raises(TypeError, match="^gate: expected dtype bfloat16"):
-        check_epilogue_tensors(DSWIGLU, (bf16.float(), bf16), bf16, 4, 6, cpu)
-    with pytest.raises(ValueError, match="^up: the 'dswiglu' epilogue needs it"):
-        check_epilogue_tensors(DSWIGLU, (bf16, None), None, 4, 6, cpu)
-    with pytest.raises(ValueError, match="^c: expected a CUDA tensor"):
-        check_epilogue_tensors(ADD, (bf16,), None, 4, 6, cpu)
+_BF16 = torch.zeros(4, 6, dtype=torch.bfloat16)
+_COS = torch.zeros(4, 64, dtype=torch.bfloat16)  # rope_inverse's tables: [M, d]
+
+
+@pytest.mark.parametrize("epilogue,inputs,out2,rows,n,error,message", [
+    (DSWIGLU, (_BF16,), _BF16, None, 6, ValueError, "reads 2 inputs"),
+    (DSWIGLU, (_BF16.float(), _BF16), _BF16, None, 6, TypeError, "^gate: expected dtype bfloat16"),
+    (DSWIGLU, (_BF16, None), None, None, 6, ValueError, "^up: the 'dswiglu' epilogue needs it"),
+    (ADD, (_BF16,), None, None, 6, ValueError, "^c: expected a CUDA tensor"),
+    (ADD, (_BF16,), None, torch.zeros(4), 6, ValueError, "^rows: the 'add' epilogue has no per-row tensor"),
+    (ROW_DOT, (_BF16,), None, None, 6, ValueError, "^rows: the 'row_dot' epilogue writes its fp32 row sums there"),
+    (ROW_DOT, (_BF16,), None, torch.zeros(4, 2, dtype=torch.bfloat16), 6, TypeError, "^rows: expected dtype float32"),
+    (SOFTMAX_BWD, (_BF16,), None, None, 6, ValueError, "^rows: the 'softmax_bwd' epilogue reads its fp32 row values"),
+    (ROPE_INVERSE, (_COS,), None, None, 128, ValueError, "reads 2 inputs"),
+    (ROPE_INVERSE, (_COS.float(), _COS), None, None, 128, TypeError, "^cos: expected dtype bfloat16"),
+], ids=lambda v: v.name if hasattr(v, "inputs") else None)
+def test_epilogue_tensor_errors_name_the_tensor(epilogue, inputs, out2, rows, n, error, message):
+    with pytest.raises(error, match=message):
+        check_epilogue_tensors(epilogue, inputs, out2, 4, n, torch.device("cpu"), rows)
 
 
 @pytest.mark.gpu
@@ -105,17 +113,7 @@ def test_dswiglu_allocates_its_outputs_and_repeats_bitwise():
     assert _close(first[0], plain.float() * torch.nn.functional.silu(up.float()))
 
 
-def test_per_row_tensors_are_required_and_fp32():
-    bf16 = torch.zeros(4, 6, dtype=torch.bfloat16)
-    cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="^rows: the 'row_dot' epilogue writes its fp32 row sums there"):
-        check_epilogue_tensors(ROW_DOT, (bf16,), None, 4, 6, cpu)
-    with pytest.raises(TypeError, match="^rows: expected dtype float32"):
-        check_epilogue_tensors(ROW_DOT, (bf16,), None, 4, 6, cpu, torch.zeros(4, 2, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="^rows: the 'softmax_bwd' epilogue reads its fp32 row values there"):
-        check_epilogue_tensors(SOFTMAX_BWD, (bf16,), None, 4, 6, cpu)
-    with pytest.raises(ValueError, match="^rows: the 'add' epilogue has no per-row tensor"):
-        check_epilogue_tensors(ADD, (bf16,), None, 4, 6, cpu, torch.zeros(4))
+def test_alpha_is_only_softmax_bwds():
     a = torch.zeros(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="^alpha: only the 'softmax_bwd' epilogue scales"):
         matmul_nt(a, a, epilogue="row_dot", inputs=(a,), alpha=0.5)
@@ -237,15 +235,6 @@ def _rope_tables(m, d, seed, device="cuda"):
 def _rotate_half(t):
     half = t.shape[-1] // 2
     return torch.cat([-t[..., half:], t[..., :half]], -1)
-
-
-def test_rope_tables_are_checked():
-    cos = torch.zeros(4, 64, dtype=torch.bfloat16)
-    cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="reads 2 inputs"):
-        check_epilogue_tensors(ROPE_INVERSE, (cos,), None, 4, 128, cpu)
-    with pytest.raises(TypeError, match="^cos: expected dtype bfloat16"):
-        check_epilogue_tensors(ROPE_INVERSE, (cos.float(), cos), None, 4, 128, cpu)
 
 
 @pytest.mark.gpu
