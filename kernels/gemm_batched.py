@@ -18,7 +18,8 @@ from .epilogue import ADD, check_epilogue_tensors
 from .gemm import (_ARCH_MODULES, ADD_NEEDS_OUT, _Call, _check, _compiled, _epilogue_key, _epilogue_kind,
                    _max_clusters)
 
-_calls: dict = {}  # (M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue) -> _Call
+# (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue) -> _Call
+_calls: dict = {}
 
 
 def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None,
@@ -42,9 +43,11 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
     a4, b4, out4, out2_4, *inputs4 = (_four(t) for t in (a, b, out, out2, *inputs))
     rows4 = _four(rows, vector=True)
     try:
+        # the batch size is in the key: it sets the schedule's tile count
         (l1, l2, m, k), n = a4.shape, b4.shape[2]
-        call = _calls[m, n, k, a4.stride(3) == 1, b4.stride(3) == 1, c_dtype, a4.get_device(), tiling, stream_k,
-                      _epilogue_key(epilogue, rows, alpha, inputs)]
+        key = (l1 * l2, m, n, k, a4.stride(3) == 1, b4.stride(3) == 1, c_dtype, a4.get_device(), tiling, stream_k,
+               _epilogue_key(epilogue, rows4, alpha, inputs4))
+        call = _calls[key]
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
         call = _resolve(a4, b4, out4, tiling, c_dtype, stream_k, epilogue, inputs4, out2_4, rows4, alpha)
         (l1, l2, m, k), n = a4.shape, b4.shape[2]
@@ -103,7 +106,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
         module = importlib.import_module(_ARCH_MODULES[arch], __package__)
         build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, kind, batched=True)
         _compiled[key] = (runtime.ffi_function(build), _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
-    call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
+    call = _calls[a.shape[0] * a.shape[1], m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue, rows, alpha, inputs)] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype), batches=a.shape[0] * a.shape[1])
     return call

@@ -49,6 +49,8 @@ def test_one_batch_dimension_and_empty_batches():
     b = torch.randn(5, 80, 64, device="cuda", generator=g).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)
     got = matmul_nt_batched(a, b, out_dtype=torch.float32)
     assert got.shape == (5, 96, 80) and _close(got, a.float() @ b.float().transpose(1, 2), 1e-5)
+    fewer = matmul_nt_batched(a[:3], b[:3], out_dtype=torch.float32)  # another batch size: another schedule
+    assert torch.equal(fewer, got[:3])
     assert matmul_nt_batched(a[:0], b[:0]).shape == (0, 96, 80)
 
 
