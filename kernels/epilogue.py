@@ -15,8 +15,8 @@ Kinds:
 - DSWIGLU: from g_sw = acc with gate and up (056: silu on `up`),
   grad_gate = g_sw * silu(up) and grad_up = g_sw * gate * sig(up) * (1 + up * (1 - sig(up)));
 - ROW_DOT: C = acc, and per row the fp32 dot of acc with an input x over each tile's columns:
-  row_sums[i, j] = sum over tile column j of acc[i, c] * x[i, c] ([M, N / tile_n], tile_n the
-  column group). 056's softmax backward needs D = rowsum(g_ao * attn_output) per head: with
+  rows[i, j] = sum over tile column j of acc[i, c] * x[i, c] (the `rows` tensor, [M, N / tile_n],
+  tile_n the column group). 056's softmax backward needs D = rowsum(g_ao * attn_output) per head: with
   tile_n = head_dim it falls out of the g_ao product, one dot per (token, head), each summed
   in a fixed order within one tile (no cross-tile reduction, bitwise repeatable);
 - SOFTMAX_BWD: 056's g_s = P * (g_p - D) * alpha from the accumulator of g_p = g_ao . v^T, with
