@@ -179,9 +179,8 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
         _check_rows(epilogue, rows, m, n)
     elif rows is not None:
         raise ValueError(f"rows: the {epilogue.name!r} epilogue has no per-row tensor")
-    if epilogue.tables:
+    if epilogue.tables:  # (inputs=() and one output: `named` is empty)
         _check_tables(epilogue, inputs, m, n)
-        named = {}
     for name, t in named.items():
         if t is None:
             raise ValueError(f"{name}: the {epilogue.name!r} epilogue needs it")

@@ -463,12 +463,8 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
     """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
     import torch
 
-    _check(a, b, out)
+    _check_call(a, b, out, c_dtype, epilogue, inputs, out2, rows)
     (m, k), n = a.shape, b.shape[0]
-    if epilogue is not STORE:
-        check_epilogue_tensors(epilogue, inputs, out2, m, n, a.device, rows)
-        if c_dtype != "bfloat16":
-            raise ValueError(f"out: the {epilogue.name!r} epilogue writes bf16, got {c_dtype}")
     arch = runtime.device_arch(a.device.index)
     if arch not in _ARCH_MODULES:
         raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
@@ -493,6 +489,17 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
 
 
 ADD_NEEDS_OUT = "out: the 'add' epilogue adds into it, so it must be given"
+
+
+def _check_call(a, b, out, c_dtype, epilogue, inputs, out2, rows):
+    """_check, and the epilogue's own tensors (`add` reads `out`): on a shape's first call and
+    to explain a call the compiled function rejects."""
+    _check(a, b, out)
+    if epilogue is not STORE:
+        check_epilogue_tensors(epilogue, (out,) if epilogue is ADD else inputs, out2, a.shape[0], b.shape[0],
+                               a.device, rows)
+        if c_dtype != "bfloat16":
+            raise ValueError(f"out: the {epilogue.name!r} epilogue writes bf16, got {c_dtype}")
 
 
 def _epilogue_key(epilogue: str, rows, alpha, inputs):
@@ -557,8 +564,7 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k,
                       _epilogue_key(epilogue, rows, alpha, inputs)]
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-        kind = _epilogue_kind(epilogue, alpha)
-        call = _resolve(a, b, out, tiling, c_dtype, stream_k, kind, (out,) if kind is ADD else inputs, out2, rows)
+        call = _resolve(a, b, out, tiling, c_dtype, stream_k, _epilogue_kind(epilogue, alpha), inputs, out2, rows)
         (m, k), n = a.shape, b.shape[0]
     if epilogue == "store":
         extras = (None, None, None)
@@ -582,11 +588,8 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         return results
     try:
         call.run(a, b, out, *(call.fixed_args or (*call.workspace.get(), *call.schedule)), *extras)
-    except Exception:
-        _check(a, b, out)  # say which argument and why, in our words
-        if epilogue != "store":
-            kind = _epilogue_kind(epilogue, alpha)
-            check_epilogue_tensors(kind, (out,) if kind is ADD else inputs, out2, m, n, a.device, rows)
+    except Exception:  # say which argument and why, in our words
+        _check_call(a, b, out, c_dtype, _epilogue_kind(epilogue, alpha), inputs, out2, rows)
         raise
     return results
 

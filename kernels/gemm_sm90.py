@@ -119,17 +119,18 @@ class Sm90Gemm:
             num_multicast=t.cluster_m)
         tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
-        # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
-        # stores, all through the pieces of C's shared memory (staging_buffers).
-        # the epilogue's side tensors, moved by plain loads and stores (not TMA): its fp32 per-row
-        # tensor, or its tables
-        fused, side = (), ()
+        # The epilogue's side tensors, moved by plain loads and stores (not TMA): its fp32
+        # per-row tensor, or its tables.
+        side = ()
         if cutlass.const_expr(self.epilogue.row_values):
             side, out1 = (batch_last(out1, 1),), None
         if cutlass.const_expr(self.epilogue.row_sums):
             side, out1 = (out1,), None  # (row sums: never batched)
         if cutlass.const_expr(self.epilogue.tables):
             side, in0, in1 = (batch_last(in0), batch_last(in1)), None, None
+        # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
+        # stores, all through the pieces of C's shared memory (staging_buffers).
+        fused = ()
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
                 op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \

@@ -178,8 +178,8 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = F
     2 x 1 clusters, whose epilogues run under the other warpgroup's MMAs: for 056's g_sw
     product (T = 2048, 8192) 1.09 / 1.08x the plain product against 1.12 / 1.18x with the
     cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md).
-    `group_n`: tiles exactly that many columns wide (the `row_dot` epilogue sums rows per
-    tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
+    `group_n`: tiles exactly that many columns wide (`row_dot` sums rows per tile,
+    `rope_inverse` rotates one head a tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
     2 x 1 clusters from M > 128. Not swept."""
     if group_n:
         return GemmTiling(tile_m=128, tile_n=group_n, cluster_m=2 if m > 128 else 1,
