@@ -14,8 +14,7 @@ import dataclasses
 
 from ..layouts.gemm import GemmTiling, default_tiling
 from . import runtime
-from .epilogue import ADD, check_epilogue_tensors
-from .gemm import (_ARCH_MODULES, ADD_NEEDS_OUT, _Call, _check, _compiled, _epilogue_key, _epilogue_kind,
+from .gemm import (_ARCH_MODULES, ADD_NEEDS_OUT, _Call, _check_call, _compiled, _epilogue_key, _epilogue_kind,
                    _max_clusters)
 
 # (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue) -> _Call
@@ -68,7 +67,7 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
     try:
         call.run(a4, b4, out4, *(call.fixed_args or (*call.workspace.get(), *call.schedule)), *extras)
     except Exception:
-        _check_batch(a4, b4, out4, epilogue, inputs4, out2_4, rows4, alpha)  # say which argument and why
+        _check_batch(a4, b4, out4, c_dtype, epilogue, inputs4, out2_4, rows4, alpha)  # say which argument and why
         raise
     return results
 
@@ -86,7 +85,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
     import torch
 
     kind = _epilogue_kind(epilogue, alpha)
-    _check_batch(a, b, out, epilogue, inputs, out2, rows, alpha)
+    _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha)
     _, _, m, k = a.shape
     n = b.shape[2]
     arch = runtime.device_arch(a.device.index)
@@ -112,7 +111,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
     return call
 
 
-def _check_batch(a, b, out, epilogue, inputs, out2, rows, alpha):
+def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha):
     """Every argument: its matrices as matmul_nt checks them (the first of the batch), one
     batch shape for all, batch strides TMA can step (16-byte multiples) where TMA moves it."""
     from .checks import check_tensor
@@ -136,11 +135,8 @@ def _check_batch(a, b, out, epilogue, inputs, out2, rows, alpha):
         if name in tma_moved and any(t.stride(i) == 0 and t.shape[i] > 1 for i in (0, 1)):
             raise ValueError(f"{name}: TMA cannot broadcast (a zero batch stride), got strides {t.stride()}")
     first = {name: None if t is None else t[0, 0] for name, t in {**tma_moved, **plain}.items()}
-    _check(first["a"], first["b"], first["out"])
-    m, n = a.shape[2], b.shape[2]
-    if kind is not ADD and epilogue != "store":
-        check_epilogue_tensors(kind, [first[name] for name in (kind.tables or kind.inputs)], first["out2"], m, n,
-                               a.device, first["rows"])
+    _check_call(first["a"], first["b"], first["out"], c_dtype, kind, [t[0, 0] for t in inputs], first["out2"],
+                first["rows"])
 
 
 def _empty_k(epilogue, out, out2, inputs, rows, alpha):
