@@ -11,6 +11,7 @@ tables are read by plain loads, not TMA).
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from ..layouts.gemm import GemmTiling, default_tiling
 from . import runtime
@@ -86,6 +87,8 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
 
     kind = _epilogue_kind(epilogue, alpha)
     _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha)
+    if not a.shape[0] * a.shape[1]:  # nothing to launch or compile: only what the outputs need
+        return types.SimpleNamespace(out_dtype=getattr(torch, c_dtype), device=a.device)
     _, _, m, k = a.shape
     n = b.shape[2]
     arch = runtime.device_arch(a.device.index)
@@ -134,6 +137,8 @@ def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha):
             raise ValueError(f"{name}: batch strides must be multiples of 16 bytes, got strides {t.stride()}")
         if name in tma_moved and any(t.stride(i) == 0 and t.shape[i] > 1 for i in (0, 1)):
             raise ValueError(f"{name}: TMA cannot broadcast (a zero batch stride), got strides {t.stride()}")
+    if not batch[0] * batch[1]:
+        return  # an empty batch has no first matrix to check
     first = {name: None if t is None else t[0, 0] for name, t in {**tma_moved, **plain}.items()}
     _check_call(first["a"], first["b"], first["out"], c_dtype, kind, [t[0, 0] for t in inputs], first["out2"],
                 first["rows"])

@@ -94,7 +94,7 @@ def test_batched_argument_errors_name_the_tensor():
     a = torch.zeros(2, 3, 64, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match=r"^b: expected the batch shape \[2, 3\] in front"):
         matmul_nt_batched(a, a[:, :2])
-    rows_of_61 = torch.zeros(2 * 3 * 64 * 61, dtype=torch.bfloat16, device="cuda").as_strided(
+    rows_of_61 = torch.zeros(2 * 3 * 64 * 61 + 3, dtype=torch.bfloat16, device="cuda").as_strided(
         (2, 3, 64, 64), (3 * 64 * 61, 64 * 61, 61, 1))  # a row stride of 122 bytes: TMA cannot step it
     with pytest.raises(ValueError, match="^b: the non-contiguous stride must be a multiple of 8"):
         matmul_nt_batched(a, rows_of_61)
