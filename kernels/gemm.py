@@ -34,41 +34,60 @@ def with_unit_batch(t):
     return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
 
 
+def batch_last(t, matrix_rank: int = 2):
+    """A tensor with its batch modes last, as one mode: [X, Y] -> [X, Y, 1] (unbatched), and
+    torch's [L1, L2, X, Y] -> [X, Y, (L2, L1)] (a batch of L1 * L2 products, index l = l2 + L2 *
+    l1: each batch mode keeps its own stride, e.g. 056's heads inside a [b, s, heads, d]
+    tensor). `matrix_rank` 1 for per-row vectors ([M] or [L1, L2, M])."""
+    rank = cute.rank(t.layout)
+    if rank == matrix_rank:
+        return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
+    order = [*range(rank - matrix_rank, rank), *reversed(range(rank - matrix_rank))]
+    return cute.make_tensor(t.iterator, cute.group_modes(cute.select(t.layout, mode=order), matrix_rank, rank))
+
+
 def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE,
-                   products: int = 1, stack: str = "m"):
+                   products: int = 1, stack: str = "m", batched: bool = False):
     """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, out1):
     M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
     tiling shares its build. in0, in1 (the epilogue's inputs) and out1 (its second output) are
     bf16 [M, N] with unit column stride, or None where the epilogue has none; an epilogue with
     a per-row tensor (Epilogue.rows) takes it as out1 (fp32 [M, groups] or [M]), one with
-    tables (Epilogue.tables) takes them as in0, in1 (bf16 [M, d]). A group of two or
+    tables (Epilogue.tables) takes them as in0, in1 (bf16 [M, d]). `batched`: every tensor has
+    two leading batch dimensions [L1, L2, ...] (one L1, L2 for all; batch strides multiples of
+    16 bytes except the per-row tensor's; tables may broadcast with stride 0). A group of two or
     three `products` sharing B takes (a0, a1, a2, b, c0, c1, c2, partials, ...) instead, each
     product with its own M (a2 and c2 None for two); a sum of products into one C (stack "k")
     takes (a0, a1, a2, b0, b1, b2, c, partials, ...), each with its own K."""
     c_type = C_DTYPES[c_dtype]
     m, n, k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    batch = (cute.sym_int32(), cute.sym_int32()) if batched else ()
+
+    def tensor(dtype, shape, stride, align, aligned_batches=True):  # with the batch dimensions first, if any
+        # batch strides of 16-byte multiples keep every batch's rows as aligned as the first's
+        strides = tuple(cute.sym_int64(divisibility=128 // dtype.width if aligned_batches else 1) for _ in batch)
+        return runtime.fake_tensor(dtype, (*batch, *shape), (*strides, *stride), align)
 
     def operand(rows, k_major):  # TMA: 16-byte aligned base, 16-byte multiple strides
         stride = (cute.sym_int64(divisibility=8), 1) if k_major else (1, cute.sym_int64(divisibility=8))
-        return runtime.fake_tensor(BFloat16, (rows, k), stride, 16)
+        return tensor(BFloat16, (rows, k), stride, 16)
 
     def mn_tensor():  # like C: TMA-loaded (Hopper), 16-byte aligned rows
-        return runtime.fake_tensor(BFloat16, (m, n), (cute.sym_int64(divisibility=8), 1), 16)
+        return tensor(BFloat16, (m, n), (cute.sym_int64(divisibility=8), 1), 16)
 
-    c = runtime.fake_tensor(c_type, (m, n), (cute.sym_int64(divisibility=128 // c_type.width), 1), 16)
+    c = tensor(c_type, (m, n), (cute.sym_int64(divisibility=128 // c_type.width), 1), 16)
     slots, tile_elements = cute.sym_int32(), tiling.tile_m * tiling.tile_n
     partials = runtime.fake_tensor(Float32, (slots, tile_elements), (tile_elements, 1), 16)
     flags = runtime.fake_tensor(Int32, (slots,), (1,), 4)
     inputs = [mn_tensor() for _ in epilogue.inputs] + [None] * (2 - len(epilogue.inputs))
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
     if epilogue.row_sums:  # fp32 [M, groups] row sums, written by plain stores
-        out1 = runtime.fake_tensor(Float32, (m, cute.sym_int32()), (cute.sym_int64(), 1), 4)
+        out1 = tensor(Float32, (m, cute.sym_int32()), (cute.sym_int64(), 1), 4, aligned_batches=False)
     if epilogue.row_values:  # fp32 [M] row values, read by plain loads
-        out1 = runtime.fake_tensor(Float32, (m,), (1,), 4)
+        out1 = tensor(Float32, (m,), (1,), 4, aligned_batches=False)
     if epilogue.tables:  # bf16 [M, d] tables, read by plain (4-byte) loads
         d = cute.sym_int32()
-        inputs = [runtime.fake_tensor(BFloat16, (m, d), (cute.sym_int64(divisibility=8), 1), 16)
-                  for _ in epilogue.tables]
+        inputs = [tensor(BFloat16, (m, d), (cute.sym_int64(divisibility=8), 1), 16) for _ in epilogue.tables]
     schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
     if products > 1 and stack == "k":
         ks = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
@@ -88,34 +107,41 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
 
 
 def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
-                 arch: str, dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
+                 arch: str, dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m",
+                 batched: bool = False):
     """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype, epilogue,
     products: 1, or 2 or 3 stacked along M sharing B (stack "m", the class's `Grouped` entry
-    point) or summed along K into one C (stack "k", `Summed`))."""
+    point) or summed along K into one C (stack "k", `Summed`), batched or not)."""
     if epilogue is not STORE and c_dtype != "bfloat16":
         raise ValueError(f"the {epilogue.name!r} epilogue writes bf16 C, got {c_dtype}")
     if products not in (1, 2, 3) or products > 1 and epilogue is not STORE:
         raise ValueError(f"a group is 2 or 3 plain products, got {products} with epilogue {epilogue.name!r}")
+    if batched and (products > 1 or epilogue.row_sums):
+        raise ValueError(f"a batch is of single products without row sums, got {products} products, "
+                         f"epilogue {epilogue.name!r}")
     cls = kernel_class if products == 1 else kernel_class.Summed if stack == "k" else kernel_class.Grouped
-    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack),
+    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack, batched),
                                   cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
-                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack),
+                                  *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack,
+                                                  batched),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
 def audit_builds(family: str, build, cases):
     """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
-    K-major?, C dtype[, epilogue[, products in a group[, stack "m" or "k"]]]); a tiling is named
-    by its `spec`, as bench_gemm names it."""
+    K-major?, C dtype[, epilogue[, products in a group[, stack "m" or "k"[, batched]]]]); a
+    tiling is named by its `spec`, as bench_gemm names it."""
     builds = {}
     for t, ak, bk, c, *rest in cases:
         epilogue, products = rest[0] if rest else STORE, rest[1] if len(rest) > 1 else 1
         stack = rest[2] if len(rest) > 2 else "m"
+        batched = len(rest) > 3 and rest[3]
         name = f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}" \
                + ("" if epilogue is STORE else f",epilogue {epilogue.name}") \
-               + ("]" if products == 1 else f",{products} products {'summed' if stack == 'k' else 'stacked'}]")
-        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue, g=products, s=stack: \
-            build(t, ak, bk, c, arch, dump_dir, e, g, s)
+               + ("" if products == 1 else f",{products} products {'summed' if stack == 'k' else 'stacked'}") \
+               + (",batched]" if batched else "]")
+        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue, g=products, s=stack, b=batched: \
+            build(t, ak, bk, c, arch, dump_dir, e, g, s, b)
     return builds
 
 
@@ -203,10 +229,10 @@ def stacked_index(x, starts):
 
 
 @cute.jit
-def load_k_tile(terms, k_starts, product, m, n, k, a_dst, b_dst, barrier, a_mask, b_mask, products):
-    """The producer's TMA loads of k-tile `k` of tile (m, n) into one ring stage (a_dst, b_dst):
-    for a sum of products (k_starts given) the term holding k supplies A and B; for a group
-    sharing B, `product`'s A (`products`: its (atom, k-tiles) first) and the shared B."""
+def load_k_tile(terms, k_starts, product, m, n, k, a_dst, b_dst, barrier, a_mask, b_mask, products, l=0):
+    """The producer's TMA loads of k-tile `k` of tile (m, n) of batch `l` into one ring stage
+    (a_dst, b_dst): for a sum of products (k_starts given) the term holding k supplies A and B;
+    for a group sharing B, `product`'s A (`products`: its (atom, k-tiles) first) and the shared B."""
     if cutlass.const_expr(len(k_starts) > 0):
         term, kk = stacked_index(k, k_starts)
         for i in cutlass.range_constexpr(len(terms)):
@@ -216,9 +242,17 @@ def load_k_tile(terms, k_starts, product, m, n, k, a_dst, b_dst, barrier, a_mask
     else:
         for i in cutlass.range_constexpr(len(products)):
             if product == i:  # warp-uniform; a constant True for one product
-                cute.copy(products[i][0], products[i][1][(None, m, k, 0)], a_dst, tma_bar_ptr=barrier,
+                cute.copy(products[i][0], products[i][1][(None, m, k, l)], a_dst, tma_bar_ptr=barrier,
                           mcast_mask=a_mask)
-        cute.copy(terms[0][2], terms[0][3][(None, n, k, 0)], b_dst, tma_bar_ptr=barrier, mcast_mask=b_mask)
+        cute.copy(terms[0][2], terms[0][3][(None, n, k, l)], b_dst, tma_bar_ptr=barrier, mcast_mask=b_mask)
+
+
+def batch_tile(tile, per_batch, batched: bool):
+    """(batch, tile within it) of a tile of the schedule: a batch of products lays their tiles
+    end to end, `per_batch` each (one product: (0, tile), a constant batch index)."""
+    if cutlass.const_expr(not batched):
+        return 0, tile
+    return tile // per_batch, tile % per_batch
 
 
 def group_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, starts, pair: int = 1):
@@ -386,12 +420,13 @@ class _Call:
     """What one shape needs per call, resolved on its first call."""
 
     def __init__(self, run, max_clusters: int, tiling: GemmTiling, m: int, n: int, k: int, device, stream_k,
-                 out_dtype):
+                 out_dtype, batches: int = 1):
         # The schedule deals out cluster tiles to clusters (one CTA per SM, no more clusters
         # than can be resident at once: a cluster that waits for a free GPC would run its whole
-        # share after everyone else), at most one cluster per tile unless tiling.split_k.
+        # share after everyone else), at most one cluster per tile unless tiling.split_k; a
+        # batch of products lays its tiles end to end.
         size = tiling.cluster_m * tiling.cluster_n
-        tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n))
+        tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n)) * batches
         clusters = max(1, max_clusters if tiling.split_k else min(max_clusters, tiles))  # an empty C never launches
         self.run, self.ctas = run, clusters * size
         if stream_k is False:

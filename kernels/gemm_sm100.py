@@ -36,7 +36,7 @@ from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
-                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
+                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, batch_last, batch_tile, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
@@ -90,7 +90,9 @@ class Sm100Gemm:
         into one C (Sm100SummedGemm)."""
         t = self.tiling
         in0, in1, out1 = extras
-        a, b, c = with_unit_batch(a_groups[0]), with_unit_batch(b_groups[0]), with_unit_batch(c_groups[0])
+        # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
+        self.batched = cute.rank(c_groups[0].layout) == 4
+        a, b, c = batch_last(a_groups[0]), batch_last(b_groups[0]), batch_last(c_groups[0])
         tiled_mma = self._tiled_mma()
         # (V, M, N, 1) view of the cluster: V = the CTA pair of a 2-CTA MMA
         cluster_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster, 1)), (tiled_mma.thr_id.shape,))
@@ -123,13 +125,18 @@ class Sm100Gemm:
             if cutlass.const_expr(cute.size(epi_tile[0]) != t.tile_m or t.tile_m != 128):
                 raise ValueError(f"the {self.epilogue.name!r} epilogue needs 128-row CTA tiles stored whole-height "
                                  f"(one accumulator row per thread), got tile {t.spec}, subtile {epi_tile}")
-            side, out1 = ((out1,), None) if cutlass.const_expr(self.epilogue.rows is not None) else ((in0, in1), out1)
+            if cutlass.const_expr(self.epilogue.row_values):
+                side, out1 = (batch_last(out1, 1),), None
+            elif cutlass.const_expr(self.epilogue.row_sums):
+                side, out1 = (out1,), None  # (row sums: never batched)
+            else:
+                side = (batch_last(in0), batch_last(in1))
             if cutlass.const_expr(self.epilogue.tables):
                 in0 = in1 = None
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
                 op = cpasync.CopyBulkTensorTileS2GOp() if x is out1 else cpasync.CopyBulkTensorTileG2SOp()
-                atom, tensor = cpasync.make_tiled_tma_atom(op, with_unit_batch(x), cute.select(c_smem, mode=[0, 1]),
+                atom, tensor = cpasync.make_tiled_tma_atom(op, batch_last(x), cute.select(c_smem, mode=[0, 1]),
                                                            epi_tile)
                 fused += (atom, tensor)
         # bytes landing in one stage of the ring per MMA tile (both CTAs of a pair)
@@ -143,17 +150,17 @@ class Sm100Gemm:
         grouped = ()  # the other products of a group: their A and C atoms and tensors (a sum: A and B)
         for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
             tma_a_g, ta_g = cute.nvgpu.make_tiled_tma_atom_A(
-                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), with_unit_batch(a_g),
+                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), batch_last(a_g),
                 cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
             tma_b_g, tb_g = cute.nvgpu.make_tiled_tma_atom_B(
-                sm100.cluster_shape_to_tma_atom_B(self.cluster, tiled_mma.thr_id), with_unit_batch(b_g),
+                sm100.cluster_shape_to_tma_atom_B(self.cluster, tiled_mma.thr_id), batch_last(b_g),
                 cute.slice_(b_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
             grouped += (tma_a_g, ta_g, tma_b_g, tb_g)
         for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
             tma_a_g, ta_g = cute.nvgpu.make_tiled_tma_atom_A(
-                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), with_unit_batch(a_g),
+                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), batch_last(a_g),
                 cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
-            tma_c_g, tc_g = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), with_unit_batch(c_g),
+            tma_c_g, tc_g = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), batch_last(c_g),
                                                         cute.select(c_smem, mode=[0, 1]), epi_tile)
             grouped += (tma_a_g, ta_g, tma_c_g, tc_g)
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
@@ -277,6 +284,7 @@ class Sm100Gemm:
             starts.append(tiles_m)
             tiles_m = tiles_m + cute.ceil_div(cute.size(grouped[i + 3], mode=[0]),
                                               self.mma_tiler[0] * (t.cluster_m // self.pair))
+        batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
 
         if warp == TMA_WARP:
@@ -284,16 +292,16 @@ class Sm100Gemm:
             if cutlass.const_expr(a_peers > 1 or b_peers > 1 or self.two_cta):
                 a_mask = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
                 b_mask = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=1)
-            units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+            units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for u in cutlass.range(units):
                 tile, k_begin, k_end = unit(u, plan)
-                product, m, n = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk, starts)
+                product, m, n, l = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk, starts)
                 for k in cutlass.range(k_begin, k_end):
                     ring.producer_acquire(state)
                     barrier = ring.producer_get_barrier(state)
                     load_k_tile(terms, k_starts, product, m, n, k, t_sa[(None, state.index)], t_sb[(None, state.index)],
-                                barrier, a_mask, b_mask, products)
+                                barrier, a_mask, b_mask, products, l)
                     ring.producer_commit(state)
                     state.advance()
             ring.producer_tail(state)
@@ -301,7 +309,7 @@ class Sm100Gemm:
         if warp == MMA_WARP:
             tmem.wait_for_alloc()
             accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
-            units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+            units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             filled = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ACCUMULATORS)
             k_blocks = cute.size(frag_a, mode=[2])
@@ -329,13 +337,13 @@ class Sm100Gemm:
             accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
             self._epilogue(tidx, tiled_mma, accumulators, accumulator_ready, s_c, products, starts, epi_tile,
                            schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp, io,
-                           (side, coords))
+                           (side, coords), batches)
             tmem.relinquish_alloc_permit()
             tmem.free(accumulators.iterator)
 
     @cute.jit
     def _epilogue(self, tidx, tiled_mma, accumulators, accumulator_ready, s_c, products, starts, epi_tile, schedule,
-                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp, io, side):
+                  k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, slot, warp, io, side, batches):
         """Epilogue warps: per unit, the accumulator buffer -> registers, one subtile at a time,
         then either to this CTA's partial-tile slot (stream-K, not the tile's last k-iterations)
         or, after adding the earlier partials in cluster order, through gemm.store_piece."""
@@ -370,14 +378,14 @@ class Sm100Gemm:
         vectors_per_subtile = cute.size(values) // 4
         rank = slot % self.cluster_size
 
-        units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+        units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
         drained = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACCUMULATORS)
         done = Int32(0)  # subtiles stored by this CTA: picks the shared-memory buffer
         for u in cutlass.range(units):
             tile, k_begin, k_end = unit(u, plan)
-            product, m, n = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk, starts)
+            product, m, n, l = self._mma_tile(tile, tiles_m, tiles_n, coord_vmnk, starts)
             acc = cute.group_modes(acc_subtiles[(None, None, None, None, None, drained.index)], 3, 5)
-            g_pieces = [cute.group_modes(g_part[(None, None, None, m, n, 0)], 1, 3) for g_part in g_parts]
+            g_pieces = [cute.group_modes(g_part[(None, None, None, m, n, l)], 1, 3) for g_part in g_parts]
             g_piece = g_pieces[0]
             subtiles = cute.size(acc, mode=[3])
             if cutlass.const_expr(io is not None):
@@ -386,7 +394,7 @@ class Sm100Gemm:
                 if k_end == k_tiles and is_store_warp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     for q in cutlass.range_constexpr(self.tiling.epilogue_input_stages):
-                        self._refill(io, s_c, epi_tile, done + q, m, n, q, subtiles)
+                        self._refill(io, s_c, epi_tile, done + q, m, n, l, q, subtiles)
             accumulator_ready.consumer_wait(drained)
             if k_end < k_tiles:
                 # Not this tile's last k-iterations: hand the partial tile to its finisher.
@@ -401,13 +409,13 @@ class Sm100Gemm:
                 row_value = Float32(0.0)  # softmax_bwd: what comes off this thread's row
                 (tensors, coords), row = side, Int32(0)
                 if cutlass.const_expr(self.epilogue.side_tensors):
-                    row = self._thread_row(coords, thr_t2r, epi_tile, m, n)
+                    row = self._thread_row(coords, thr_t2r, epi_tile, m, n, l)
                 if cutlass.const_expr(self.epilogue.row_values):
                     if row < cute.size(tensors[0], mode=[0]):
-                        row_value = tensors[0][row]
+                        row_value = tensors[0][row, l]
                 if cutlass.const_expr(self.epilogue.tables):
                     self._rotate_back(t2r, acc, values, partials, owner(tile, plan), plan[0], rank, vectors_per_subtile,
-                                      tidx, subtiles, tensors, row, r2s, r2s_dst, products, g_pieces, s_part, product,
+                                      tidx, subtiles, [t[(None, None, l)] for t in tensors], row, r2s, r2s_dst, products, g_pieces, s_part, product,
                                       sync, stores, is_store_warp, done)
                 for s in cutlass.range(0 if self.epilogue.tables else subtiles):
                     cute.copy(t2r, acc[(None, None, None, s)], values)
@@ -422,8 +430,8 @@ class Sm100Gemm:
                                     s_part[(None, buffer)], product, sync, stores, is_store_warp)
                     else:
                         row_total += self._fused_piece(io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece,
-                                                       tma_c, sync, stores, is_store_warp, done + s, m, n, s, subtiles,
-                                                       row_value)
+                                                       tma_c, sync, stores, is_store_warp, done + s, m, n, l, s,
+                                                       subtiles, row_value)
                 if cutlass.const_expr(self.epilogue.row_sums):
                     if row < cute.size(tensors[0], mode=[0]):
                         tensors[0][row, n] = row_total
@@ -449,31 +457,32 @@ class Sm100Gemm:
         inputs = len(self.epilogue.inputs)
         return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
 
-    def _subtiles(self, atom, s_c, of_cta, epi_tile, m, n):
-        """(shared-memory buffers, global subtiles of MMA tile (m, n)) of one TMA-moved tensor."""
+    def _subtiles(self, atom, s_c, of_cta, epi_tile, m, n, l):
+        """(shared-memory buffers, global subtiles of MMA tile (m, n) of batch l) of one TMA-moved
+        tensor."""
         subtiles = cute.flat_divide(of_cta[((None, None), 0, 0, None, None, None)], epi_tile)
         s_part, g_parts = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_c, 0, 2),
                                                 cute.group_modes(subtiles, 0, 2))
-        return s_part, cute.group_modes(g_parts[(None, None, None, m, n, 0)], 1, 3)
+        return s_part, cute.group_modes(g_parts[(None, None, None, m, n, l)], 1, 3)
 
     @cute.jit
-    def _refill(self, io, s_c, epi_tile, seq, m, n, s, subtiles):
+    def _refill(self, io, s_c, epi_tile, seq, m, n, l, s, subtiles):
         """Store warp: TMA-load subtile `s` (if the tile has it) of every input into the slot of
         this CTA's `seq`-th subtile."""
         if s < subtiles:
             slot = seq % self.tiling.epilogue_input_stages
             copies = []
             for i, (atom, of_cta) in enumerate(io[0]):
-                s_part, g_piece = self._subtiles(atom, s_c, of_cta, epi_tile, m, n)
+                s_part, g_piece = self._subtiles(atom, s_c, of_cta, epi_tile, m, n, l)
                 copies.append((atom, g_piece[(None, s)], s_part[(None, slot * self.slot_pieces + i)]))
             load_slot(io[1] + slot, copies, len(io[0]) * self._piece_bytes)
 
     @cute.jit
-    def _thread_row(self, coords, thr_t2r, epi_tile, m, n):
+    def _thread_row(self, coords, thr_t2r, epi_tile, m, n, l):
         """The row of C this thread holds in MMA tile (m, n) (side-tensor epilogues take 128-row
         tiles stored whole-height: one accumulator row a thread): that of its first element."""
         of_thread = thr_t2r.partition_D(cute.flat_divide(coords[((None, None), 0, 0, None, None, None)], epi_tile))
-        return of_thread[(None, None, None, 0, 0, m, n, 0)][0][0]
+        return of_thread[(None, None, None, 0, 0, m, n, l)][0][0]
 
     @cute.jit
     def _rotate_back(self, t2r, acc, values, partials, first_owner, owners_end, rank, vectors_per_subtile, tidx,
@@ -509,7 +518,7 @@ class Sm100Gemm:
 
     @cute.jit
     def _fused_piece(self, io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece, tma_c, sync, stores,
-                     is_store_warp, seq, m, n, s, subtiles, row_value):
+                     is_store_warp, seq, m, n, l, s, subtiles, row_value):
         """Subtile `s` in its slot: the inputs read, the epilogue applied, the outputs written over
         the inputs and TMA-stored from there; then the slot is refilled `epilogue_input_stages`
         subtiles on. `row_value` comes off the accumulators first (softmax_bwd). Returns the sum
@@ -537,18 +546,20 @@ class Sm100Gemm:
             second = cute.make_rmem_tensor(values.layout, Float32)
             second.store(outputs[1])
             (tma_out1, of_cta), = io[2]
-            s_out1, g_out1 = self._subtiles(tma_out1, s_c, of_cta, epi_tile, m, n)
+            s_out1, g_out1 = self._subtiles(tma_out1, s_c, of_cta, epi_tile, m, n, l)
             more = ((r2s.retile(second).load(), r2s_dst[(None, None, None, buffer + 1)], tma_out1,
                      s_out1[(None, buffer + 1)], g_out1[(None, s)]),)
         store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer, [(tma_c, g_piece[(None, s)])],
                     s_part[(None, buffer)], 0, sync, stores, is_store_warp, more,
-                    functools.partial(self._refill, io, s_c, epi_tile, seq + stages, m, n, s + stages, subtiles))
+                    functools.partial(self._refill, io, s_c, epi_tile, seq + stages, m, n, l, s + stages, subtiles))
         return row_part
 
     def _mma_tile(self, tile, tiles_m, tiles_n, coord_vmnk, starts):
-        """(product, m, n): the MMA tile of this CTA for cluster tile `tile` (the pair of a 2-CTA
-        MMA shares one), in its product of a group (gemm.group_tile)."""
-        return group_tile(self.tiling, tile, tiles_m, tiles_n, coord_vmnk[1], coord_vmnk[2], starts, self.pair)
+        """(product, m, n, l): the MMA tile of this CTA for cluster tile `tile` of the schedule
+        (the pair of a 2-CTA MMA shares one), in its product of a group (gemm.group_tile) or its
+        batch l (gemm.batch_tile)."""
+        l, within = batch_tile(tile, tiles_m * tiles_n, self.batched)
+        return (*group_tile(self.tiling, within, tiles_m, tiles_n, coord_vmnk[1], coord_vmnk[2], starts, self.pair), l)
 
 
 class Sm100GroupedGemm(GroupedEntry, Sm100Gemm):
@@ -571,11 +582,11 @@ def _smem_load_op(op):
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",
-          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
+          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m", batched: bool = False):
     """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group
-    and how they are stacked); see gemm.fake_arguments."""
+    and how they are stacked, batched or not); see gemm.fake_arguments."""
     return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
-                        products, stack)
+                        products, stack, batched)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
@@ -593,6 +604,10 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),
     # 056's g_q = inverse RoPE of g_qr = g_s . k_rep, one 160-column head a tile
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
+    # 056's attention backward per (batch, head), read through the [b, s, heads, d] strides:
+    # g_s = P * (g_ao . v^T - D) / sqrt(160), and g_q = inverse RoPE of g_s . k_rep
+    (GemmTiling(cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5), 1, "m", True),
+    (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

@@ -49,7 +49,7 @@ from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, Gemm
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        quad_sum, read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
-                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, with_unit_batch, work)
+                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, batch_last, batch_tile, work)
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
@@ -99,8 +99,10 @@ class Sm90Gemm:
         Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm)."""
         t = self.tiling
         in0, in1, out1 = extras
-        b = with_unit_batch(b_groups[0])
-        a, c = with_unit_batch(a_groups[0]), with_unit_batch(c_groups[0])
+        # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
+        self.batched = cute.rank(c_groups[0].layout) == 4
+        b = batch_last(b_groups[0])
+        a, c = batch_last(a_groups[0]), batch_last(c_groups[0])
         tiled_mma = sm90.make_trivial_tiled_mma(
             BFloat16, BFloat16, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             Float32, (self.tile_warpgroups, 1, 1), tiler_mn=(64, t.tile_n))
@@ -120,10 +122,12 @@ class Sm90Gemm:
         # The epilogue's side tensors, moved by plain loads and stores (not TMA): its fp32
         # per-row tensor, or its tables.
         side = ()
-        if cutlass.const_expr(self.epilogue.rows is not None):
-            side, out1 = (out1,), None
+        if cutlass.const_expr(self.epilogue.row_values):
+            side, out1 = (batch_last(out1, 1),), None
+        if cutlass.const_expr(self.epilogue.row_sums):
+            side, out1 = (out1,), None  # (row sums: never batched)
         if cutlass.const_expr(self.epilogue.tables):
-            side, in0, in1 = (in0, in1), None, None
+            side, in0, in1 = (batch_last(in0), batch_last(in1)), None, None
         # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
         # stores, all through the pieces of C's shared memory (staging_buffers).
         fused = ()
@@ -132,25 +136,25 @@ class Sm90Gemm:
                 op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \
                     else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
                 atom, tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    op, with_unit_batch(x), cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
+                    op, batch_last(x), cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
                 fused += (atom, tensor)
 
         # The other products of a group: their A and C (a sum: their A and B), by TMA like the first's.
         grouped = ()
         for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
             tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                tma_load_op(t.cluster_n), with_unit_batch(a_g), cute.slice_(a_smem, (None, None, 0)),
+                tma_load_op(t.cluster_n), batch_last(a_g), cute.slice_(a_smem, (None, None, 0)),
                 (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
             tma_b_g, tb_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                tma_load_op(t.cluster_m), with_unit_batch(b_g), cute.slice_(b_smem, (None, None, 0)),
+                tma_load_op(t.cluster_m), batch_last(b_g), cute.slice_(b_smem, (None, None, 0)),
                 (t.tile_n, t.tile_k), num_multicast=t.cluster_m)
             grouped += (tma_a_g, ta_g, tma_b_g, tb_g)
         for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
             tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                tma_load_op(t.cluster_n), with_unit_batch(a_g), cute.slice_(a_smem, (None, None, 0)),
+                tma_load_op(t.cluster_n), batch_last(a_g), cute.slice_(a_smem, (None, None, 0)),
                 (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
             tma_c_g, tc_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), with_unit_batch(c_g),
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), batch_last(c_g),
                 cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
             grouped += (tma_a_g, ta_g, tma_c_g, tc_g)
 
@@ -252,16 +256,18 @@ class Sm90Gemm:
         for _, _, _, g_c_i in products[1:]:
             starts.append(tiles_m)
             tiles_m = tiles_m + cute.ceil_div(cute.size(g_c_i, mode=[2]), t.cluster_m)
+        batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp == 0:
-                units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+                units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for u in cutlass.range(units):
                     tile, k_begin, k_end = unit(u, plan)
-                    product, m, n = group_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0],
+                    l, within = batch_tile(tile, tiles_m * tiles_n, self.batched)
+                    product, m, n = group_tile(self.tiling, within, tiles_m, tiles_n, cluster_coord[0],
                                                cluster_coord[1], starts)
                     for k in cutlass.range(k_begin, k_end):
                         ring.producer_acquire(state)
@@ -269,14 +275,15 @@ class Sm90Gemm:
                         a_mask = a_peers if cutlass.const_expr(t.cluster_n > 1) else 0
                         b_mask = b_peers if cutlass.const_expr(t.cluster_m > 1) else 0
                         load_k_tile(terms, k_starts, product, m, n, k, t_sa[(None, state.index)],
-                                    t_sb[(None, state.index)], barrier, a_mask, b_mask, products)
+                                    t_sb[(None, state.index)], barrier, a_mask, b_mask, products, l)
                         ring.producer_commit(state)
                         state.advance()
                 ring.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,
-                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io, side)
+                          tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io, side,
+                          batches)
 
     def _epilogue_io(self, storage, fused):
         """A fused epilogue's slot tensors in the kernel: ([(TMA atom, global tiles) of each
@@ -293,7 +300,7 @@ class Sm90Gemm:
 
     @cute.jit
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles, tiles_m, tiles_n,
-                 cluster_coord, partials, flags, ctidx, warp, io, side):
+                 cluster_coord, partials, flags, ctidx, warp, io, side, batches):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
         stream-K units hand partial tiles on or gather them first. A team works each unit: all
         consumer warpgroups (cooperative), or one warpgroup, the two taking units in turn
@@ -345,7 +352,7 @@ class Sm90Gemm:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         done = Int32(0)  # tiles finished by this team: picks the epilogue's shared-memory buffer
-        units, plan = work(schedule, tiles_m * tiles_n, k_tiles, self.cluster_size)
+        units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
         slot, _, _ = cute.arch.block_idx()  # this CTA's partial-tile slot and flag
         rank = slot % self.cluster_size
         for u in cutlass.range(units):
@@ -355,7 +362,8 @@ class Sm90Gemm:
                 read.advance(Int32(k_end - k_begin))
                 release.advance(Int32(k_end - k_begin))
             else:
-                product, m, n = group_tile(self.tiling, tile, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1],
+                l, within = batch_tile(tile, tiles_m * tiles_n, self.batched)
+                product, m, n = group_tile(self.tiling, within, tiles_m, tiles_n, cluster_coord[0], cluster_coord[1],
                                            starts)
                 if cutlass.const_expr(io is not None):
                     # A tile this team finishes: its first input pieces load under the MMAs, once
@@ -363,7 +371,7 @@ class Sm90Gemm:
                     if k_end == k_tiles and is_store_warp:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         for q in cutlass.range_constexpr(min(self.tiling.epilogue_input_stages, self.pieces)):
-                            self._load_inputs(io, s_c, team, done * self.pieces + q, m, n, q)
+                            self._load_inputs(io, s_c, team, done * self.pieces + q, m, n, q, l)
                 if cutlass.const_expr(pingpong):
                     if u > 0:
                         my_turn.arrive_and_wait()
@@ -403,11 +411,12 @@ class Sm90Gemm:
                             await_partial(flags, theirs, thread, team_sync)
                             add_partial(acc, partials[theirs, None], 0, thread, team_threads)
                     if cutlass.const_expr(self.epilogue.row_values):
-                        subtract_row_values(acc, acc_coords, side[0], m, self.tiling.tile_m)
+                        subtract_row_values(acc, acc_coords, side[0][(None, l)], m, self.tiling.tile_m)
                     if cutlass.const_expr(self.epilogue.tables):
-                        rotate_back(acc, acc_coords, side[0], side[1], m, self.tiling.tile_m)
+                        rotate_back(acc, acc_coords, side[0][(None, None, l)], side[1][(None, None, l)], m,
+                                    self.tiling.tile_m)
                     self._epilogue(r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team,
-                                   team_sync, stores, is_store_warp, io, s2r)
+                                   team_sync, stores, is_store_warp, io, s2r, l)
                     if cutlass.const_expr(self.epilogue.row_sums):
                         store_row_sums(acc, acc_coords, side[0], m, n, self.tiling.tile_m)
                     done += 1
@@ -415,20 +424,20 @@ class Sm90Gemm:
 
     @cute.jit
     def _epilogue(self, r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team, sync,
-                  stores, is_store_warp, io, s2r):
+                  stores, is_store_warp, io, s2r, l):
         """The finished tile (m, n), one epilogue piece at a time through the team's
         `epilogue_stages` shared-memory buffers (gemm.store_piece). Pieces go in row-major
         order, which is the order of the retiled accumulators (64-row blocks outermost). A fused
         epilogue works each piece in its slot: inputs read (loaded `epilogue_input_stages`
         pieces ahead), outputs written over them and stored from there."""
         # C's pieces of tile (m, n) of each product of a group (one, unless grouped)
-        s_part = self._tma_pieces(products[0][2], s_c, products[0][3], m, n)[0]
-        g_parts = [self._tma_pieces(tma_c, s_c, g_c, m, n)[1] for _, _, tma_c, g_c in products]
+        s_part = self._tma_pieces(products[0][2], s_c, products[0][3], m, n, l)[0]
+        g_parts = [self._tma_pieces(tma_c, s_c, g_c, m, n, l)[1] for _, _, tma_c, g_c in products]
         grid = self._piece_grid()
         stages = self.tiling.epilogue_input_stages
         if cutlass.const_expr(io is not None and len(io[2]) > 0):
             (tma_out1, g_out1), = io[2]
-            s_out1_part, g_out1_part = self._tma_pieces(tma_out1, s_c, g_out1, m, n)
+            s_out1_part, g_out1_part = self._tma_pieces(tma_out1, s_c, g_out1, m, n, l)
         for p in cutlass.range_constexpr(self.pieces):
             for v in cutlass.range_constexpr(cute.size(piece)):
                 piece[v] = r2s_acc[p * cute.size(piece) + v]
@@ -453,7 +462,7 @@ class Sm90Gemm:
                     more = ((outputs[1], r2s_dst[(None, None, None, buffer + 1)], tma_out1,
                              s_out1_part[(None, buffer + 1)], g_out1_part[(None, grid.get_hier_coord(p))]),)
                 if cutlass.const_expr(p + stages < self.pieces):
-                    refill = functools.partial(self._load_inputs, io, s_c, team, seq + stages, m, n, p + stages)
+                    refill = functools.partial(self._load_inputs, io, s_c, team, seq + stages, m, n, p + stages, l)
             targets = [(tma_c, g_part[(None, grid.get_hier_coord(p))])
                        for (_, _, tma_c, _), g_part in zip(products, g_parts)]
             store_piece(piece, self.c_dtype, r2s, r2s_dst, buffer, targets, s_part[(None, buffer)], product, sync,
@@ -464,19 +473,20 @@ class Sm90Gemm:
         rows, cols = self.tiling.tile_m // self.epi_tile[0], self.tiling.tile_n // self.epi_tile[1]
         return cute.make_layout((rows, cols), stride=(cols, 1))
 
-    def _tma_pieces(self, atom, smem, tiles, m, n):
-        """(shared-memory buffers, global pieces of tile (m, n)) of one TMA-moved [M, N] tensor."""
-        g_tile = cute.zipped_divide(tiles[(None, None, m, n, 0)], self.epi_tile)
+    def _tma_pieces(self, atom, smem, tiles, m, n, l):
+        """(shared-memory buffers, global pieces of tile (m, n) of batch l) of one TMA-moved
+        [M, N] tensor."""
+        g_tile = cute.zipped_divide(tiles[(None, None, m, n, l)], self.epi_tile)
         return cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), g_tile)
 
-    def _load_inputs(self, io, s_c, team, seq, m, n, p):
+    def _load_inputs(self, io, s_c, team, seq, m, n, p, l):
         """Store warp: TMA-load piece `p` of tile (m, n) of every epilogue input into the team's
         slot for its `seq`-th piece."""
         inputs, stages = io[0], self.tiling.epilogue_input_stages
         slot = team * stages + seq % stages
         copies = []
         for i, (atom, tiles) in enumerate(inputs):
-            s_part, g_part = self._tma_pieces(atom, s_c, tiles, m, n)
+            s_part, g_part = self._tma_pieces(atom, s_c, tiles, m, n, l)
             copies.append((atom, g_part[(None, self._piece_grid().get_hier_coord(p))],
                            s_part[(None, slot * self.slot_pieces + i)]))
         load_slot(io[1] + slot, copies, len(inputs) * self.epi_tile[0] * self.epi_tile[1] * 2)
@@ -573,11 +583,11 @@ def tma_load_op(peers: int):
 
 
 def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_90a",
-          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m"):
+          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m", batched: bool = False):
     """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group
-    and how they are stacked); see gemm.fake_arguments."""
+    and how they are stacked, batched or not); see gemm.fake_arguments."""
     return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
-                        products, stack)
+                        products, stack, batched)
 
 
 AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
@@ -598,6 +608,10 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),
     # 056's g_q = inverse RoPE of g_qr = g_s . k_rep, one 160-column head a tile (B N-major: k_rep read in place)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
+    # 056's attention backward per (batch, head), read through the [b, s, heads, d] strides:
+    # g_s = P * (g_ao . v^T - D) / sqrt(160), and g_q = inverse RoPE of g_s . k_rep
+    (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5), 1, "m", True),
+    (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

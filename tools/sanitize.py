@@ -100,6 +100,23 @@ def _summed_case(m, n, ks, **options):
     return run
 
 
+def _batched_case(b, heads, s, d, **options):
+    """056's attention scores and softmax backward per (batch, head), through the heads' strides."""
+    def run():
+        from cutebwd.kernels.gemm_batched import matmul_nt_batched
+        from cutebwd.tools.parity import assert_parity
+
+        g = torch.Generator(device="cuda").manual_seed(b + heads + s)
+        g_ao, v = (torch.randn(b, s, heads * d, device="cuda", generator=g).bfloat16().view(b, s, heads, d)
+                   .transpose(1, 2) for _ in range(2))
+        p = torch.rand(b, heads, s, s, device="cuda", generator=g).bfloat16()
+        rows = torch.randn(b, heads, s, device="cuda", generator=g)
+        got = matmul_nt_batched(g_ao, v, epilogue="softmax_bwd", inputs=(p,), rows=rows, alpha=0.25, **options)
+        want = p.float() * (g_ao.float() @ v.float().transpose(-1, -2) - rows[..., None]) * 0.25
+        assert_parity(["g_s"], [got], [want], [torch.bfloat16])
+    return run
+
+
 def _problem_case(problem, batch, seq, *, without_normalized=False, **options):
     """check_problem of the op named like the problem; `without_normalized`: 013 with None."""
     def run():
@@ -137,6 +154,7 @@ CASES = {
                                                                               epilogue="softmax_bwd"),
     "gemm epilogue rope_inverse, 160-column heads, stream-K": _gemm_case(1000, 800, 1000, stream_k=True,
                                                                          epilogue="rope_inverse"),
+    "gemm batched softmax_bwd, 2 x 3 heads, stream-K": _batched_case(2, 3, 200, 160, stream_k=True),
     "gemm grouped, 3 products, stream-K": _grouped_case((296, 136, 520), 776, 1000, stream_k=True),
     "gemm grouped, 3 summed terms, stream-K": _summed_case(300, 776, (1000, 136, 72), stream_k=True),
     "013": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),

@@ -1,0 +1,154 @@
+"""Batched products (for 056's attention backward): C[l] = A[l] . B[l]^T for every l of a
+[L1, L2] (or [L]) batch in one persistent launch of the GEMM core, each operand read in place
+through its strides. 056's per-(batch, head) products come straight from its tensors, e.g.
+g_p = g_ao . v_rep^T with g_ao the [b, 32, s, d] view of a [b, s, 32 * d] tensor (strides
+(s * 5120, d, 5120, 1)): the two batch dimensions keep their own strides (gemm.batch_last).
+The batch's tiles are laid end to end in one schedule (waves, stream-K), and every fused
+epilogue but row_dot works per product: softmax_bwd with P [.., M, N] and D [.., M],
+rope_inverse with cos/sin [.., M, d] (a table shared by heads is an expand()ed view, stride 0:
+tables are read by plain loads, not TMA).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from ..layouts.gemm import GemmTiling, default_tiling
+from . import runtime
+from .gemm import (_ARCH_MODULES, ADD_NEEDS_OUT, _Call, _check_call, _compiled, _epilogue_key, _epilogue_kind,
+                   _max_clusters)
+
+# (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue) -> _Call
+_calls: dict = {}
+
+
+def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None,
+                      stream_k: bool | None = None, epilogue: str = "store", inputs=(), out2=None, rows=None,
+                      alpha: float = 1.0):
+    """out[l] = A[l] . B[l]^T for a [L1, L2, M, K] (or [L, M, K]) bf16 `a` and [.., N, K] `b`,
+    the same batch shape, fp32 accumulation, bf16 or fp32 `out` [.., M, N] (allocated when
+    None). Each matrix as matmul_nt takes it (either of its two dimensions contiguous); the
+    batch strides of every tensor moved by TMA must be multiples of 16 bytes. `epilogue`,
+    `inputs`, `out2`, `rows`, `alpha` as matmul_nt's, each tensor with the batch dimensions
+    in front (rows [.., M]; rope tables [.., M, d]); row_dot is not batched. Returns out (and
+    out2 for dswiglu)."""
+    import torch
+
+    if epilogue == "add" and out is None:
+        raise ValueError(ADD_NEEDS_OUT)
+    if epilogue == "row_dot":
+        raise ValueError("epilogue: 'row_dot' is not batched (its row sums are per tile column of one product)")
+    c_dtype = "float32" if (out is not None and out.dtype == torch.float32) or out_dtype == torch.float32 \
+        else "bfloat16"
+    a4, b4, out4, out2_4, *inputs4 = (_four(t) for t in (a, b, out, out2, *inputs))
+    rows4 = _four(rows, vector=True)
+    try:
+        # the batch size is in the key: it sets the schedule's tile count
+        (l1, l2, m, k), n = a4.shape, b4.shape[2]
+        key = (l1 * l2, m, n, k, a4.stride(3) == 1, b4.stride(3) == 1, c_dtype, a4.get_device(), tiling, stream_k,
+               _epilogue_key(epilogue, rows4, alpha, inputs4))
+        call = _calls[key]
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError):
+        call = _resolve(a4, b4, out4, tiling, c_dtype, stream_k, epilogue, inputs4, out2_4, rows4, alpha)
+        (l1, l2, m, k), n = a4.shape, b4.shape[2]
+    if out is None:
+        out4 = torch.empty((l1, l2, m, n), dtype=call.out_dtype, device=call.device)
+        out = out4.view(*a.shape[:-2], m, n)
+    if epilogue == "dswiglu" and out2 is None:
+        out2_4 = torch.empty((l1, l2, m, n), dtype=torch.bfloat16, device=call.device)
+        out2 = out2_4.view(*a.shape[:-2], m, n)
+    results = (out, out2) if epilogue == "dswiglu" else out
+    if l1 * l2 * m * n == 0:
+        return results
+    if k == 0:
+        _empty_k(epilogue, out4, out2_4, inputs4, rows4, alpha)
+        return results
+    extras = {"store": (None, None, None), "add": (out4, None, None), "dswiglu": (*inputs4, out2_4),
+              "rope_inverse": (*inputs4, None), "softmax_bwd": (*inputs4, None, rows4)}[epilogue]
+    try:
+        call.run(a4, b4, out4, *(call.fixed_args or (*call.workspace.get(), *call.schedule)), *extras)
+    except Exception:
+        _check_batch(a4, b4, out4, c_dtype, epilogue, inputs4, out2_4, rows4, alpha)  # say which argument and why
+        raise
+    return results
+
+
+def _four(t, vector: bool = False):
+    """A [L, X, Y] matrix batch (or [L, M] vector batch) as [1, L, ...], a view; [L1, L2, ...]
+    and anything else as it is (the checks say what is wrong with it)."""
+    if t is None or not hasattr(t, "dim"):
+        return t
+    return t.unsqueeze(0) if t.dim() == (2 if vector else 3) else t
+
+
+def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha):
+    """First call of a batch's shapes: full checks, the tiling, the compiled kernel."""
+    import torch
+
+    kind = _epilogue_kind(epilogue, alpha)
+    _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha)
+    if not a.shape[0] * a.shape[1]:  # nothing to launch or compile: only what the outputs need
+        return types.SimpleNamespace(out_dtype=getattr(torch, c_dtype), device=a.device)
+    _, _, m, k = a.shape
+    n = b.shape[2]
+    arch = runtime.device_arch(a.device.index)
+    if arch not in _ARCH_MODULES:
+        raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
+    a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
+    group_n = inputs[0].shape[-1] if kind.tables else None
+    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(kind.inputs), group_n=group_n)
+    if group_n and chosen.tile_n != group_n:
+        raise ValueError(f"tiling {chosen.spec}: the {epilogue!r} epilogue works per tile, so tile_n must be the "
+                         f"tables' width {group_n}")
+    kernel_tiling = dataclasses.replace(chosen, split_k=False)
+    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index, kind, "batched")
+    if key not in _compiled:
+        import importlib
+
+        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
+        build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, kind, batched=True)
+        _compiled[key] = (runtime.ffi_function(build), _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
+    call = _calls[a.shape[0] * a.shape[1], m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
+                  _epilogue_key(epilogue, rows, alpha, inputs)] = _Call(
+        *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype), batches=a.shape[0] * a.shape[1])
+    return call
+
+
+def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha):
+    """Every argument: its matrices as matmul_nt checks them (the first of the batch), one
+    batch shape for all, batch strides TMA can step (16-byte multiples) where TMA moves it."""
+    from .checks import check_tensor
+
+    import torch
+
+    for name, t in (("a", a), ("b", b)):
+        check_tensor(name, t, dtypes=torch.bfloat16, ndim=4, contiguous=False)
+    batch = tuple(a.shape[:2])
+    kind = _epilogue_kind(epilogue, alpha)
+    tma_moved = {"a": a, "b": b, "out": out, "out2": out2, **({} if kind.tables else dict(zip(kind.inputs, inputs)))}
+    plain = {"rows": rows, **(dict(zip(kind.tables, inputs)) if kind.tables else {})}
+    for name, t in {**tma_moved, **plain}.items():
+        if t is not None and (t.dim() != (3 if name == "rows" else 4) or tuple(t.shape[:2]) != batch):
+            raise ValueError(f"{name}: expected the batch shape {list(batch)} in front, got shape {list(t.shape)}")
+    for name, t in {**tma_moved, **plain}.items():
+        if t is None or name == "rows":
+            continue
+        if any(t.stride(i) % (16 // t.element_size()) for i in (0, 1)):
+            raise ValueError(f"{name}: batch strides must be multiples of 16 bytes, got strides {t.stride()}")
+        if name in tma_moved and any(t.stride(i) == 0 and t.shape[i] > 1 for i in (0, 1)):
+            raise ValueError(f"{name}: TMA cannot broadcast (a zero batch stride), got strides {t.stride()}")
+    if not batch[0] * batch[1]:
+        return  # an empty batch has no first matrix to check
+    first = {name: None if t is None else t[0, 0] for name, t in {**tma_moved, **plain}.items()}
+    _check_call(first["a"], first["b"], first["out"], c_dtype, kind, [t[0, 0] for t in inputs], first["out2"],
+                first["rows"])
+
+
+def _empty_k(epilogue, out, out2, inputs, rows, alpha):
+    """K = 0: the epilogue of zero accumulators, by PyTorch ops, no launch."""
+    if epilogue == "softmax_bwd":
+        out.copy_(inputs[0].float() * -rows.unsqueeze(-1) * alpha)
+    elif epilogue != "add":
+        out.zero_()
+    if out2 is not None:
+        out2.zero_()

@@ -1,0 +1,106 @@
+"""Batched products (kernels/gemm_batched.py): argument errors on any machine; on the GPU,
+056's per-(batch, head) products read in place from its [b, s, heads, d] tensors, plain and
+with the softmax_bwd and rope_inverse epilogues, against fp32 PyTorch, outputs poisoned."""
+import pytest
+import torch
+
+from cutebwd.kernels.gemm_batched import matmul_nt_batched
+from cutebwd.layouts.gemm import GemmTiling
+
+
+def test_row_dot_and_add_without_out_are_refused():
+    a = torch.zeros(2, 3, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'row_dot' is not batched"):
+        matmul_nt_batched(a, a, epilogue="row_dot", inputs=(a,))
+    with pytest.raises(ValueError, match="^out: the 'add' epilogue"):
+        matmul_nt_batched(a, a, epilogue="add")
+
+
+def _heads(b, s, heads, d, generator, scale=1.0):
+    """A [b, heads, s, d] view of a [b, s, heads * d] tensor, as 056 holds q, k, v and g_ao."""
+    flat = (scale * torch.randn(b, s, heads * d, device="cuda", generator=generator)).bfloat16()
+    return flat.view(b, s, heads, d).transpose(1, 2)
+
+
+def _close(got, want, bound=1e-2):
+    return (torch.linalg.norm(got.float() - want) / torch.linalg.norm(want)).item() < bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling,stream_k", [(None, None), (GemmTiling(tile_n=256, cluster_m=2), True),
+                                             (GemmTiling(tile_m=64, tile_n=128), None)],
+                         ids=["default", "128x256c2x1 stream-K", "64x128"])
+@pytest.mark.parametrize("b,heads,s", [(2, 4, 200), (1, 3, 72), (3, 2, 520)])
+def test_batched_scores_match_each_head(b, heads, s, tiling, stream_k):
+    """g_p = g_ao . v^T per (batch, head), both read through their head-interleaved strides."""
+    g = torch.Generator(device="cuda").manual_seed(b * 100 + s)
+    g_ao, v = _heads(b, s, heads, 160, g), _heads(b, s, heads, 160, g)
+    out = torch.full((b, heads, s, s), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = matmul_nt_batched(g_ao, v, out=out, tiling=tiling, stream_k=stream_k)
+    assert got is out and _close(out, g_ao.float() @ v.float().transpose(-1, -2))
+    again = matmul_nt_batched(g_ao, v, tiling=tiling, stream_k=stream_k)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.gpu
+def test_one_batch_dimension_and_empty_batches():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn(5, 96, 64, device="cuda", generator=g).bfloat16()
+    b = torch.randn(5, 80, 64, device="cuda", generator=g).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)
+    got = matmul_nt_batched(a, b, out_dtype=torch.float32)
+    assert got.shape == (5, 96, 80) and _close(got, a.float() @ b.float().transpose(1, 2), 1e-5)
+    fewer = matmul_nt_batched(a[:3], b[:3], out_dtype=torch.float32)  # another batch size: another schedule
+    assert torch.equal(fewer, got[:3])
+    assert matmul_nt_batched(a[:0], b[:0]).shape == (0, 96, 80)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s,stream_k", [(200, None), (512, True)])
+def test_batched_softmax_backward(s, stream_k):
+    """g_s = P * (g_p - D) / sqrt(d) per (batch, head), D = rowsum(P * g_p)."""
+    b, heads, d = 2, 3, 160
+    g = torch.Generator(device="cuda").manual_seed(s)
+    g_ao, v = _heads(b, s, heads, d, g), _heads(b, s, heads, d, g)
+    p = torch.softmax(2 * torch.randn(b, heads, s, s, device="cuda", generator=g), -1).bfloat16()
+    g_p = g_ao.float() @ v.float().transpose(-1, -2)
+    rows = (p.float() * g_p).sum(-1)
+    want = p.float() * (g_p - rows[..., None]) * d**-0.5
+    got = matmul_nt_batched(g_ao, v, epilogue="softmax_bwd", inputs=(p,), rows=rows, alpha=d**-0.5,
+                            stream_k=stream_k)
+    assert _close(got, want)
+
+
+@pytest.mark.gpu
+def test_batched_rope_inverse_with_tables_shared_by_heads():
+    """g_q = inverse RoPE of g_qr = g_s . k_rep per (batch, head), cos/sin [b, s, d] expanded
+    over the heads (stride 0), g_q written into a [b, s, heads * d] tensor's head view."""
+    b, heads, s, d = 2, 4, 136, 160
+    g = torch.Generator(device="cuda").manual_seed(3)
+    g_s = torch.randn(b, heads, s, s, device="cuda", generator=g).bfloat16()
+    k_rep = _heads(b, s, heads, d, g)
+    angles = torch.rand(b, s, d // 2, device="cuda", generator=g).repeat(1, 1, 2) * 6.3
+    cos, sin = (t.bfloat16().unsqueeze(1).expand(b, heads, s, d) for t in (angles.cos(), angles.sin()))
+    g_qr = g_s.float() @ k_rep.float()
+    rotated = torch.cat([-g_qr[..., d // 2:], g_qr[..., :d // 2]], -1)
+    want = g_qr * cos.float() - rotated * sin.float()
+    flat = torch.full((b, s, heads * d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = flat.view(b, s, heads, d).transpose(1, 2)
+    matmul_nt_batched(g_s, k_rep.transpose(-1, -2), out=out, epilogue="rope_inverse", inputs=(cos, sin))
+    assert _close(out, want)
+
+
+@pytest.mark.gpu
+def test_batched_argument_errors_name_the_tensor():
+    a = torch.zeros(2, 3, 64, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match=r"^b: expected the batch shape \[2, 3\] in front"):
+        matmul_nt_batched(a, a[:, :2])
+    rows_of_61 = torch.zeros(2 * 3 * 64 * 61 + 3, dtype=torch.bfloat16, device="cuda").as_strided(
+        (2, 3, 64, 64), (3 * 64 * 61, 64 * 61, 61, 1))  # a row stride of 122 bytes: TMA cannot step it
+    with pytest.raises(ValueError, match="^b: the non-contiguous stride must be a multiple of 8"):
+        matmul_nt_batched(a, rows_of_61)
+    shared = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16, device="cuda").expand(2, 3, 64, 64)
+    with pytest.raises(ValueError, match=r"^b: TMA cannot broadcast \(a zero batch stride\)"):
+        matmul_nt_batched(a, shared)
+    with pytest.raises(ValueError, match="^b: batch strides must be multiples of 16 bytes"):
+        matmul_nt_batched(a, torch.zeros(2 * 3 * 64 * 64 + 3, dtype=torch.bfloat16, device="cuda").as_strided(
+            (2, 3, 64, 64), (3 * 64 * 64 + 3, 64 * 64, 64, 1)))
