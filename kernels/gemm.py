@@ -444,21 +444,6 @@ class _Call:
         self.out_dtype, self.device = out_dtype, device
 
 
-def _max_clusters(device, size: int) -> int:
-    """How many clusters of `size` one-CTA-per-SM CTAs the GPU holds at once: SMs / size only
-    where every GPC's SM count divides evenly, so ask the driver."""
-    import torch
-
-    if size == 1:
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    with torch.cuda.device(device):
-        # The driver query needs this thread's context current; a capturing stream proves it
-        # is (and must not be synchronized: a shape's first call may come inside a capture).
-        if not torch.cuda.is_current_stream_capturing():
-            torch.cuda.synchronize()
-        return cutlass.utils.HardwareInfo().get_max_active_clusters(size)
-
-
 def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), out2=None, rows=None):
     """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
     import torch
@@ -481,7 +466,8 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
 
         module = importlib.import_module(_ARCH_MODULES[arch], __package__)
         build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, epilogue)
-        _compiled[key] = (runtime.ffi_function(build), _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
+        _compiled[key] = (runtime.ffi_function(build),
+                          runtime.max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue.name, rows, epilogue.alpha, inputs)] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype))

@@ -15,8 +15,7 @@ import types
 
 from ..layouts.gemm import GemmTiling, default_tiling
 from . import runtime
-from .gemm import (_ARCH_MODULES, ADD_NEEDS_OUT, _Call, _check_call, _compiled, _epilogue_key, _epilogue_kind,
-                   _max_clusters)
+from .gemm import _ARCH_MODULES, ADD_NEEDS_OUT, _Call, _check_call, _compiled, _epilogue_key, _epilogue_kind
 
 # (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue) -> _Call
 _calls: dict = {}
@@ -107,7 +106,8 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
 
         module = importlib.import_module(_ARCH_MODULES[arch], __package__)
         build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, kind, batched=True)
-        _compiled[key] = (runtime.ffi_function(build), _max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
+        _compiled[key] = (runtime.ffi_function(build),
+                          runtime.max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
     call = _calls[a.shape[0] * a.shape[1], m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue, rows, alpha, inputs)] = _Call(
         *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype), batches=a.shape[0] * a.shape[1])

@@ -14,7 +14,7 @@ import dataclasses
 
 from ..layouts.gemm import GemmTiling, default_tiling
 from . import runtime
-from .gemm import _ARCH_MODULES, _Call, _check, _compiled, _k_major, _max_clusters
+from .gemm import _ARCH_MODULES, _Call, _check, _compiled, _k_major
 
 _calls: dict = {}  # (Ms, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> _Call
 
@@ -110,7 +110,8 @@ def _resolve(a_list, b, outs, tiling, c_dtype, stream_k):
 
         module = importlib.import_module(_ARCH_MODULES[arch], __package__)
         build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, products=products, stack="m")
-        _compiled[key] = (runtime.ffi_function(build), _max_clusters(b.device, chosen.cluster_m * chosen.cluster_n))
+        _compiled[key] = (runtime.ffi_function(build),
+                          runtime.max_clusters(b.device, chosen.cluster_m * chosen.cluster_n))
     # The schedule sees the products' rows stacked, each padded to whole cluster tiles.
     rows = chosen.tile_m * chosen.cluster_m
     stacked = sum(-(-m // rows) * rows for m in ms)
@@ -211,7 +212,8 @@ def _resolve_summed(pairs, out, tiling, c_dtype, stream_k):
 
         module = importlib.import_module(_ARCH_MODULES[arch], __package__)
         build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, products=terms, stack="k")
-        _compiled[key] = (runtime.ffi_function(build), _max_clusters(device, chosen.cluster_m * chosen.cluster_n))
+        _compiled[key] = (runtime.ffi_function(build),
+                          runtime.max_clusters(device, chosen.cluster_m * chosen.cluster_n))
     # The schedule sees the terms' k-tiles laid end to end, each padded to whole k-tiles.
     stacked = sum(-(-k // chosen.tile_k) * chosen.tile_k for k in ks)
     call = _summed_calls[ks, m, n, a_k_major, b_k_major, c_dtype, device.index, tiling, stream_k] = _Call(

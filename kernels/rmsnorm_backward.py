@@ -15,6 +15,12 @@ never change, it accumulates grad_weight for them in registers across all its CT
 each CTA writes one fp32 partial row, and `ColumnSum` adds the partials in a fixed order:
 no float atomics, so grad_weight is bitwise repeatable. Both launches come from one host
 function, so a call is one TVM-FFI call.
+
+Up to ONE_CLUSTER_MAX_ROWS rows the op is one launch of one 16-CTA cluster instead: each CTA
+leaves its partial row in shared memory and, after a cluster barrier, adds a slice of the
+columns over all 16 partials through distributed shared memory, in CTA order (still bitwise
+repeatable). No workspace and no second launch: at 128 rows the two-launch call is bound by
+its host time, and a launch costs ~2.7 us of it (tools/reports/013-notes.md, session 8).
 """
 from __future__ import annotations
 
@@ -26,26 +32,45 @@ from cutlass import BFloat16, Float32, Int32
 
 from . import runtime
 from .column_sum import ColumnSum
-from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, fake_rows, fake_rstd, fetch_row, read_row,
-                   ring_stages, row_sum, rows_view, thread_split, vector, wide_copy)
+from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
+                   load_remote_vector, read_row, ring_stages, row_sum, rows_view, thread_split, vector, wide_copy)
 
 TARGET_VECTORS_PER_THREAD = 5  # H = 2560 -> 128 threads x 5 vectors, no predication
 PREFETCH_MAX_BYTES = 56 * 1024  # ring size per CTA: four CTAs per SM still fit
 MAX_STAGES = 4  # H = 2560: 2 stages (51 KB) with normalized, 3 (46 KB) without
+# The one-launch path: 16 CTAs, a non-portable cluster size (the op asks the driver whether the
+# device holds one, else it keeps two launches). Measured on the H200 (session 8), per call with
+# out=: 9.8-10.2 us at 128 rows, GPU-bound (9.1-9.3 us of graph replay; 8 CTAs took 15), where
+# the two launches are host-bound at 10-17 us (their host time varies run to run). Its GPU time
+# grows ~1 us per 16 rows: 10.7 us at 131 rows, 11.7 at 160, where the two launches measured
+# 10.2-14 us; so it ends at 144 rows.
+ONE_CLUSTER = 16
+ONE_CLUSTER_MAX_ROWS = 144
+# One CTA per SM on the one-launch path, so its ring may take most of the shared memory: the
+# cluster's 16 SMs have to stream every row.
+ONE_CLUSTER_RING_BYTES = 192 * 1024
+ONE_CLUSTER_STAGES = 8
 
 
 class FusedResidualRmsNormBackward:
-    def __init__(self, hidden: int, read_normalized: bool):
+    def __init__(self, hidden: int, read_normalized: bool, one_cluster: bool = False):
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden = hidden
         self.read_normalized = read_normalized
+        self.one_cluster = one_cluster
+        # rstd through the ring as well: with one CTA per SM an exposed rstd load per row set the
+        # one-cluster path's pace (12.2 -> 9.3 us at 128 rows); on the grid path it cost up to 7%
+        # (normalized=None, 8192 rows), four CTAs per SM hiding that load already.
+        self.rstd_in_ring = one_cluster
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
         # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
         # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a
         # row: no ring.
-        self.stages = ring_stages(hidden * (2 + 4 + (4 if read_normalized else 0)), PREFETCH_MAX_BYTES, MAX_STAGES)
+        row_bytes = hidden * (2 + 4 + (4 if read_normalized else 0))
+        self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not one_cluster else \
+            ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES - 4 * hidden, ONE_CLUSTER_STAGES)
         self.column_sum = ColumnSum(hidden)
 
     @cute.jit
@@ -65,6 +90,19 @@ class FusedResidualRmsNormBackward:
                     rows_view(grad_hidden), rows_view(grad_residual), partials).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
         self.column_sum(partials, grad_weight, stream)
+
+    @cute.jit
+    def one_launch(self, grad_output: cute.Tensor, x: cute.Tensor, normalized: cute.Tensor | None,
+                   rstd: cute.Tensor, weight: cute.Tensor, grad_hidden: cute.Tensor,
+                   grad_residual: cute.Tensor, grad_weight: cute.Tensor, stream: cuda.CUstream):
+        """The one-cluster path (built with one_cluster=True): one launch, grad_weight summed
+        across the cluster, no workspace."""
+        m_norm = rows_view(x)
+        if cutlass.const_expr(normalized is not None):
+            m_norm = rows_view(normalized)
+        self.kernel(rows_view(grad_output), rows_view(x), m_norm, rows_view(rstd)[None, 0], weight,
+                    rows_view(grad_hidden), rows_view(grad_residual), grad_weight).launch(
+            grid=[ONE_CLUSTER, 1, 1], block=[self.threads, 1, 1], cluster=[ONE_CLUSTER, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_norm: cute.Tensor, m_rstd: cute.Tensor,
@@ -101,13 +139,17 @@ class FusedResidualRmsNormBackward:
             # Ring in shared memory: rows it + 1 .. it + S - 1 stream in (cp.async) while row it is
             # computed. Each thread copies and later reads only its own vectors, so the ring
             # needs no barrier, just the thread's own cp.async groups (one per row).
+            # rstd (where it rides in the ring) has one copy per thread, so still no barrier.
             ring = self.stages
             stages = alloc_ring(smem, sources, h, ring)
+            rstd_ring = smem.allocate_tensor(Float32, cute.make_layout((threads, ring)), byte_alignment=16)
             fetches = cp_async_atoms()
             for j in cutlass.range_constexpr(ring - 1):
                 if j < my_rows:
                     fetch_row(fetches, tuple(s[bidx + j * ctas, None] for s in sources), stages, j,
                               tidx, threads, vpt, h // VECTOR)
+                    if cutlass.const_expr(self.rstd_in_ring):
+                        cute.copy(fetches[2], element(m_rstd, bidx + j * ctas), element(rstd_ring[tidx, None], j))
                 cute.arch.cp_async_commit_group()
 
         for it in cutlass.range(0, my_rows):
@@ -118,8 +160,13 @@ class FusedResidualRmsNormBackward:
                 if it + ring - 1 < my_rows:
                     fetch_row(fetches, tuple(s[row + (ring - 1) * ctas, None] for s in sources), stages,
                               (it + ring - 1) % ring, tidx, threads, vpt, h // VECTOR)
+                    if cutlass.const_expr(self.rstd_in_ring):
+                        cute.copy(fetches[2], element(m_rstd, row + (ring - 1) * ctas),
+                                  element(rstd_ring[tidx, None], (it + ring - 1) % ring))
                 cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per row
                 cute.arch.cp_async_wait_group(ring - 1)  # this row's group has landed
+                if cutlass.const_expr(self.rstd_in_ring):
+                    rstd = rstd_ring[tidx, it % ring]
                 read_row((load_bf16, load_f32), tuple(s[None, it % ring] for s in stages), (g, xs, ns),
                           tidx, threads, vpt, h // VECTOR)
             else:
@@ -143,18 +190,48 @@ class FusedResidualRmsNormBackward:
                     cute.copy(load_bf16, staging_bf16, vector(m_gh[row, None], tidx + k * threads))
                     cute.copy(load_bf16, staging_bf16, vector(m_gr[row, None], tidx + k * threads))
 
-        # Let the column sum launch now; its griddepcontrol.wait still waits for these partials.
-        cute.arch.griddepcontrol_launch_dependents()
-        for k in cutlass.range_constexpr(vpt):
-            if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
-                staging_f32.store(grad_weight[None, k].load())
-                cute.copy(load_f32, staging_f32, vector(m_part[bidx, None], tidx + k * threads))
+        if cutlass.const_expr(self.one_cluster):
+            self.add_across_cluster(grad_weight, m_part, smem, tidx, bidx)
+        else:
+            # Let the column sum launch now; its griddepcontrol.wait still waits for these partials.
+            cute.arch.griddepcontrol_launch_dependents()
+            for k in cutlass.range_constexpr(vpt):
+                if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
+                    staging_f32.store(grad_weight[None, k].load())
+                    cute.copy(load_f32, staging_f32, vector(m_part[bidx, None], tidx + k * threads))
+
+    @cute.jit
+    def add_across_cluster(self, grad_weight: cute.Tensor, m_out: cute.Tensor, smem, tidx, rank):
+        """m_out = the sum of the cluster's per-CTA grad_weight partials, added in CTA order:
+        each CTA leaves its partial in shared memory and adds a slice of the columns over all
+        of them through distributed shared memory. The grid is the cluster, so the block index
+        is the rank. (Measured against pushing the slices to their owners with st.async and
+        an mbarrier, which needs no release fence: 9.1 against 10.0 us at 128 rows.)"""
+        vectors, threads = self.hidden // VECTOR, self.threads
+        partial = smem.allocate_tensor(Float32, cute.make_layout((self.hidden,)), byte_alignment=16)
+        for k in cutlass.range_constexpr(self.vectors_per_thread):
+            if tidx + k * threads < vectors:
+                vector(partial, tidx + k * threads).store(grad_weight[None, k].load())
+        cute.arch.cluster_arrive()  # release: this CTA's partial is written
+        cute.arch.cluster_wait()  # acquire: every CTA's partial is readable
+        acc = cute.make_rmem_tensor((VECTOR,), Float32)
+        for v in cutlass.range(rank * threads + tidx, vectors, ONE_CLUSTER * threads):
+            acc.fill(0.0)
+            for r in cutlass.range_constexpr(ONE_CLUSTER):
+                values = load_remote_vector(vector(partial, v).iterator, r)
+                for e in cutlass.range_constexpr(VECTOR):
+                    acc[e] = acc[e] + values[e]
+            cute.copy(wide_copy(Float32), acc, vector(m_out, v))
+        # No CTA may exit (freeing its shared memory) while another still reads its partial. The
+        # reads have returned (their sums are stored), so the arrive needs no release fence.
+        cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_wait()
 
 
 CTAS_PER_SM = 4  # 128 threads x ~125 registers, <= 56 KB of ring: four CTAs (rows in flight) per SM
 
 
-def _fake_args(hidden: int, read_normalized: bool):
+def _fake_args(hidden: int, read_normalized: bool, one_cluster: bool = False):
     """Compile-time stand-ins for the call's tensors. batch and seq are shared symbols, so each
     call checks in C that every [b, s, ...] tensor agrees; strides are free (multiples of VECTOR
     elements, so every row start is vector aligned); H is static."""
@@ -164,16 +241,19 @@ def _fake_args(hidden: int, read_normalized: bool):
     weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     normalized = rows_of(Float32) if read_normalized else None
-    return (rows_of(BFloat16), rows_of(Float32), normalized, rstd, weight, rows_of(BFloat16),
-            rows_of(BFloat16), weight, workspace, Int32(1))
+    tensors = (rows_of(BFloat16), rows_of(Float32), normalized, rstd, weight, rows_of(BFloat16),
+               rows_of(BFloat16), weight)
+    return tensors if one_cluster else (*tensors, workspace, Int32(1))
 
 
-def _build(hidden: int, read_normalized: bool, arch: str, dump_dir=None):
-    """The compiled op for one hidden size (row kernel + column sum, one host function);
-    batch, seq, strides and the CTA count are runtime values."""
+def _build(hidden: int, read_normalized: bool, arch: str, dump_dir=None, one_cluster: bool = False):
+    """The compiled op for one hidden size: row kernel + column sum in one host function, or
+    with `one_cluster` the one-launch path; batch, seq, strides and the CTA count are runtime
+    values."""
+    op = FusedResidualRmsNormBackward(hidden, read_normalized, one_cluster)
     return runtime.compile_kernel(
-        ("fused_residual_rmsnorm_backward", hidden, read_normalized),
-        FusedResidualRmsNormBackward(hidden, read_normalized), *_fake_args(hidden, read_normalized),
+        ("fused_residual_rmsnorm_backward", hidden, read_normalized, one_cluster),
+        op.one_launch if one_cluster else op, *_fake_args(hidden, read_normalized, one_cluster),
         runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
@@ -224,7 +304,10 @@ class _Entry:
 
         self.device, self.hidden = device, hidden
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-        self.run = runtime.ffi_function(_build(hidden, read_normalized, runtime.device_arch(device.index)))
+        arch = runtime.device_arch(device.index)
+        self.run = runtime.ffi_function(_build(hidden, read_normalized, arch))
+        self.run_one_cluster = runtime.ffi_function(_build(hidden, read_normalized, arch, one_cluster=True)) \
+            if runtime.max_clusters(device, ONE_CLUSTER) else None
         # partial-sum rows of grad_weight, one buffer per stream
         self.workspace = runtime.StreamWorkspace(self.max_ctas, hidden, device)
 
@@ -243,7 +326,8 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     tensors. grad_weight is bitwise repeatable: per-CTA partial sums added in a fixed order.
 
     Host cost: one dict lookup, the output allocations (none with out=) and one TVM-FFI call,
-    which checks dtypes, shapes, strides, alignment and device in C and makes both launches;
+    which checks dtypes, shapes, strides, alignment and device in C and makes the launches
+    (one up to ONE_CLUSTER_MAX_ROWS rows, two above);
     the Python checks run on a shape's first call and to explain a rejected call. Each CUDA
     stream keeps a [4 x SMs, H] fp32 workspace for the partial sums (5.4 MB at H = 2560).
     """
@@ -272,8 +356,11 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
         grad_weight.zero_()
         return out
     try:
-        entry.run(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
-                  entry.workspace.get(), min(rows, entry.max_ctas))
+        if rows <= ONE_CLUSTER_MAX_ROWS and entry.run_one_cluster is not None:
+            entry.run_one_cluster(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight)
+        else:
+            entry.run(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
+                      entry.workspace.get(), min(rows, entry.max_ctas))
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, x, normalized, rstd, weight)
@@ -287,6 +374,13 @@ AUDIT_BUILDS = {
         (lambda arch, dump_dir, h=h, rn=rn: _build(h, rn, arch, dump_dir))
     for h, rn in ((2560, True), (2560, False), (1000, True))
 }
+AUDIT_BUILDS.update({
+    f"fused_residual_rmsnorm_backward[H={h},{'normalized' if rn else 'normalized=None'},one cluster]":
+        (lambda arch, dump_dir, h=h, rn=rn: _build(h, rn, arch, dump_dir, one_cluster=True))
+    for h, rn in ((2560, True), (2560, False))
+})
 # Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no
 # local-memory spills, no atomics (grad_weight's order is fixed).
-AUDIT_EXPECTS = {arch: {"require": ["LDG.128", "LDGSTS"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}
+# The one-cluster builds launch 16 CTAs per cluster (non-portable: the op asks the driver first).
+AUDIT_EXPECTS = {arch: {"require": ["LDG.128", "LDGSTS"], "forbid": ["LOCAL", "ATOM/RED"], "max_cluster_ctas": 16}
+                 for arch in runtime.ARCHES}

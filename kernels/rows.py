@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import AddressSpace, BFloat16, Float32, Int32
+from cutlass._mlir.dialects import llvm, nvvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 VECTOR = 4  # elements per access
 MAX_THREADS = 1024
@@ -115,11 +117,18 @@ def alloc_ring(smem, sources, hidden: int, stages: int):
 
 
 def cp_async_atoms():
-    """(bf16 8-byte, fp32 16-byte L2-only) cp.async atoms: global to shared, no registers."""
+    """(bf16 8-byte, fp32 16-byte L2-only, fp32 4-byte) cp.async atoms: global to shared, no
+    registers."""
     cpasync = cute.nvgpu.cpasync
     return (cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=64),
             cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
-                                num_bits_per_copy=128))
+                                num_bits_per_copy=128),
+            cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32))
+
+
+def element(tensor, index):
+    """Element `index` of a 1-D tensor (any layout) as a one-element tensor, for a copy."""
+    return cute.make_tensor(tensor.iterator + cute.crd2idx(index, tensor.layout), cute.make_layout((1,)))
 
 
 @cute.jit
@@ -133,3 +142,17 @@ def fetch_row(fetches, rows, ring, stage, tidx, threads: cutlass.Constexpr, vpt:
             for src, dst in zip(rows, ring):
                 atom = fetches[0] if cutlass.const_expr(src.element_type == BFloat16) else fetches[1]
                 cute.copy(atom, vector(src, tidx + k * threads), vector(dst[None, stage], tidx + k * threads))
+
+
+@dsl_user_op
+def load_remote_vector(smem_ptr, rank, *, loc=None, ip=None):
+    """The VECTOR fp32 values at `smem_ptr` (16-byte aligned) in the shared memory of cluster
+    CTA `rank`: one ld.shared::cluster.v4 (the DSL's tensors cannot load from distributed
+    shared memory). Marked as having side effects so it stays after the cluster barrier."""
+    remote = nvvm.mapa(llvm.PointerType.get(AddressSpace.dsmem), smem_ptr.to_llvm_ptr(loc=loc, ip=ip),
+                       Int32(rank).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+    address = llvm.ptrtoint(T.i32(), remote, loc=loc, ip=ip)
+    values = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * VECTOR), [address],
+                             "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
+                             has_side_effects=True, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), values, [e], loc=loc, ip=ip)) for e in range(VECTOR)]

@@ -155,3 +155,18 @@ def cute_dtype(torch_dtype):
             torch.int64: cutlass.Int64,
         })
     return TORCH_TO_CUTE[torch_dtype]
+
+
+def max_clusters(device, size: int) -> int:
+    """How many clusters of `size` one-CTA-per-SM CTAs the GPU holds at once: SMs / size only
+    where every GPC's SM count divides evenly, so ask the driver."""
+    import torch
+
+    if size == 1:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    with torch.cuda.device(device):
+        # The driver query needs this thread's context current; a capturing stream proves it
+        # is (and must not be synchronized: a shape's first call may come inside a capture).
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return cutlass.utils.HardwareInfo().get_max_active_clusters(size)

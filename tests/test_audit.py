@@ -25,7 +25,7 @@ def test_build_holds_declared_instructions(name, build, expects, arch, nvdisasm)
     assert audit.violations(result, expects) == []
     # Registers, shared memory, tensor memory and cluster size within the limits, each read.
     assert result["launches"], "no kernel launch found in the host code"
-    assert audit.limit_violations(result) == []
+    assert audit.build_problems(result, expects) == []
     if result["families"].get("UTCMMA"):  # tcgen05 MMAs accumulate in tensor memory, so it was allocated
         assert audit.resource_summary(result)["tmem_columns"], "tcgen05.alloc not found in the PTX"
 
@@ -220,4 +220,7 @@ def test_launch_shared_memory_and_cluster_from_host_code():
     assert _limits(resources, "sm_90a", audit.host_launches(runtime_size))
     big = HOST_IR.replace("%16 = llvm.mlir.constant(2 : i32)", "%16 = llvm.mlir.constant(16 : i32)")
     assert audit.host_launches(big)[0]["cluster"] == [16, 1, 1] and _limits(resources, "sm_90a", audit.host_launches(big))
+    # ... unless the kernel declares the non-portable size (its op asks the driver first)
+    assert not audit.build_problems({"arch": "sm_90a", "target": "sm_90", "families": {}, "resources": resources,
+                                     "launches": audit.host_launches(big)}, {"sm_90a": {"max_cluster_ctas": 16}})
     assert _limits(resources, "sm_90a", [])  # nothing launches kernel_k_0
