@@ -142,7 +142,9 @@ class FusedResidualRmsNormBackward:
             # rstd (where it rides in the ring) has one copy per thread, so still no barrier.
             ring = self.stages
             stages = alloc_ring(smem, sources, h, ring)
-            rstd_ring = smem.allocate_tensor(Float32, cute.make_layout((threads, ring)), byte_alignment=16)
+            rstd_ring = None
+            if cutlass.const_expr(self.rstd_in_ring):
+                rstd_ring = smem.allocate_tensor(Float32, cute.make_layout((threads, ring)), byte_alignment=16)
             fetches = cp_async_atoms()
             for j in cutlass.range_constexpr(ring - 1):
                 if j < my_rows:
