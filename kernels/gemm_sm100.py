@@ -413,21 +413,18 @@ class Sm100Gemm:
                 if cutlass.const_expr(self.epilogue.row_values):
                     if row < cute.size(tensors[0], mode=[0]):
                         row_value = tensors[0][row, l]
+                # a subtile's accumulators plus the earlier k-iterations' partials; its store
+                load_subtile = functools.partial(self._load_subtile, t2r, acc, partials, owner(tile, plan), plan[0],
+                                                 rank, vectors_per_subtile, tidx)
+                store_subtile = functools.partial(self._store_subtile, r2s, r2s_dst, products, g_pieces, s_part,
+                                                  product, sync, stores, is_store_warp)
                 if cutlass.const_expr(self.epilogue.tables):
-                    self._rotate_back(t2r, acc, values, partials, owner(tile, plan), plan[0], rank, vectors_per_subtile,
-                                      tidx, subtiles, [t[(None, None, l)] for t in tensors], row, r2s, r2s_dst, products, g_pieces, s_part, product,
-                                      sync, stores, is_store_warp, done)
+                    self._rotate_back(load_subtile, store_subtile, values, subtiles,
+                                      [t[(None, None, l)] for t in tensors], row, done)
                 for s in cutlass.range(0 if self.epilogue.tables else subtiles):
-                    cute.copy(t2r, acc[(None, None, None, s)], values)
-                    # earlier k-iterations' partials, cluster by cluster in order (a fixed order)
-                    for earlier in cutlass.range(owner(tile, plan), plan[0]):
-                        add_partial(values, partials[earlier * self.cluster_size + rank, None],
-                                    s * vectors_per_subtile, tidx, EPILOGUE_THREADS)
+                    load_subtile(s, values)
                     if cutlass.const_expr(io is None):
-                        buffer = (done + s) % self.tiling.epilogue_stages
-                        store_piece(r2s.retile(values), self.c_dtype, r2s, r2s_dst, buffer,
-                                    [(p[2], g[(None, s)]) for p, g in zip(products, g_pieces)],
-                                    s_part[(None, buffer)], product, sync, stores, is_store_warp)
+                        store_subtile(s, values, (done + s) % self.tiling.epilogue_stages)
                     else:
                         row_total += self._fused_piece(io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece,
                                                        tma_c, sync, stores, is_store_warp, done + s, m, n, l, s,
@@ -485,9 +482,25 @@ class Sm100Gemm:
         return of_thread[(None, None, None, 0, 0, m, n, l)][0][0]
 
     @cute.jit
-    def _rotate_back(self, t2r, acc, values, partials, first_owner, owners_end, rank, vectors_per_subtile, tidx,
-                     subtiles, tables, row, r2s, r2s_dst, products, g_pieces, s_part, product, sync, stores,
-                     is_store_warp, done):
+    def _load_subtile(self, t2r, acc, partials, first_owner, owners_end, rank, vectors_per_subtile, tidx, subtile,
+                      staged):
+        """Accumulator subtile `subtile` into `staged`, plus the earlier k-iterations' partials,
+        cluster by cluster in order (a fixed order)."""
+        cute.copy(t2r, acc[(None, None, None, subtile)], staged)
+        for earlier in cutlass.range(first_owner, owners_end):
+            add_partial(staged, partials[earlier * self.cluster_size + rank, None], subtile * vectors_per_subtile, tidx,
+                        EPILOGUE_THREADS)
+
+    @cute.jit
+    def _store_subtile(self, r2s, r2s_dst, products, g_pieces, s_part, product, sync, stores, is_store_warp, subtile,
+                       staged, buffer):
+        """`staged` (fp32) as subtile `subtile` of C, through shared-memory buffer `buffer`."""
+        store_piece(r2s.retile(staged), self.c_dtype, r2s, r2s_dst, buffer,
+                    [(p[2], g[(None, subtile)]) for p, g in zip(products, g_pieces)], s_part[(None, buffer)],
+                    product, sync, stores, is_store_warp)
+
+    @cute.jit
+    def _rotate_back(self, load_subtile, store_subtile, values, subtiles, tables, row, done):
         """rope_inverse, one head a tile: 16-column subtile s < d/32 and its partner s + d/32
         (columns d/2 on) read together, the earlier k-iterations' partials added to both, the
         inverse rotation applied with cos and sin of this thread's row (16 columns, two 16-byte
@@ -498,10 +511,7 @@ class Sm100Gemm:
         cos_sin = [cute.make_rmem_tensor(values.layout, Float32) for _ in tables]
         for s in cutlass.range(half):
             for subtile, staged in ((s, values), (s + half, partner)):
-                cute.copy(t2r, acc[(None, None, None, subtile)], staged)
-                for earlier in cutlass.range(first_owner, owners_end):  # a fixed order, as unrotated tiles
-                    add_partial(staged, partials[earlier * self.cluster_size + rank, None],
-                                subtile * vectors_per_subtile, tidx, EPILOGUE_THREADS)
+                load_subtile(subtile, staged)
             if row < cute.size(tables[0], mode=[0]):
                 for table, wide in zip(tables, cos_sin):
                     narrow = cute.make_rmem_tensor(values.layout, BFloat16)
@@ -511,10 +521,7 @@ class Sm100Gemm:
                 values.store(first * cos_sin[0].load() + second * cos_sin[1].load())
                 partner.store(second * cos_sin[0].load() - first * cos_sin[1].load())
             for subtile, staged, order in ((s, values, 0), (s + half, partner, 1)):
-                buffer = (done + 2 * s + order) % self.tiling.epilogue_stages
-                store_piece(r2s.retile(staged), self.c_dtype, r2s, r2s_dst, buffer,
-                            [(p[2], g[(None, subtile)]) for p, g in zip(products, g_pieces)], s_part[(None, buffer)],
-                            product, sync, stores, is_store_warp)
+                store_subtile(subtile, staged, (done + 2 * s + order) % self.tiling.epilogue_stages)
 
     @cute.jit
     def _fused_piece(self, io, values, s2r, r2s, r2s_dst, s_c, epi_tile, s_part, g_piece, tma_c, sync, stores,

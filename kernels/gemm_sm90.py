@@ -512,67 +512,70 @@ class Sm90SummedGemm(SummedEntry, Sm90Gemm):
 Sm90Gemm.Grouped, Sm90Gemm.Summed = Sm90GroupedGemm, Sm90SummedGemm
 
 
+def mma_rows(acc, coords, m, tile_m: int):
+    """(64-row block, row half, row of C) of each accumulator row a thread holds in the
+    warpgroup MMA's layout ((2 columns, 2 rows 8 apart, column blocks), 64-row blocks, 1), for
+    tile row m; a trace-time loop, unrolled like range_constexpr."""
+    for block in range(cute.size(acc, mode=[1])):
+        for half in range(2):
+            yield block, half, m * tile_m + coords[(0, half, 0), block, 0][0]
+
+
 @cute.jit
 def store_row_sums(terms, coords, row_sums, m, n, tile_m: int):
-    """Tile (m, n)'s row sums: `terms` holds each accumulator's row term in the warpgroup MMA's
-    layout ((2 columns, 2 rows 8 apart, column blocks), 64-row blocks, 1); each thread adds its
-    columns of a row in a fixed order, then its quad's four lanes are added (quad_sum), and the
-    quad's first lane writes row_sums[row, n] for rows inside M."""
+    """Tile (m, n)'s row sums: `terms` holds each accumulator's row term in the MMA layout
+    (mma_rows); each thread adds its columns of a row in a fixed order, then its quad's four
+    lanes are added (quad_sum), and the quad's first lane writes row_sums[row, n] for rows
+    inside M."""
     lane = cute.arch.lane_idx()
-    for block in cutlass.range_constexpr(cute.size(terms, mode=[1])):
-        for half in cutlass.range_constexpr(2):
-            total = Float32(0.0)
-            for column_block in cutlass.range_constexpr(cute.size(terms.shape[0][2])):
-                for column in cutlass.range_constexpr(2):
-                    total = total + terms[(column, half, column_block), block, 0]
-            total = quad_sum(total)
-            row = m * tile_m + coords[(0, half, 0), block, 0][0]
-            if lane % 4 == 0 and row < cute.size(row_sums, mode=[0]):
-                row_sums[row, n] = total
+    for block, half, row in mma_rows(terms, coords, m, tile_m):
+        total = Float32(0.0)
+        for column_block in cutlass.range_constexpr(cute.size(terms.shape[0][2])):
+            for column in cutlass.range_constexpr(2):
+                total = total + terms[(column, half, column_block), block, 0]
+        total = quad_sum(total)
+        if lane % 4 == 0 and row < cute.size(row_sums, mode=[0]):
+            row_sums[row, n] = total
 
 
 @cute.jit
 def subtract_row_values(acc, coords, row_values, m, tile_m: int):
     """acc -= row_values[row] on each accumulator row of tile row m (rows past M: 0), in the
-    warpgroup MMA's layout (see store_row_sums); one 4-byte load per row a thread holds."""
-    for block in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-        for half in cutlass.range_constexpr(2):
-            row = m * tile_m + coords[(0, half, 0), block, 0][0]
-            value = Float32(0.0)
-            if row < cute.size(row_values, mode=[0]):
-                value = row_values[row]
-            for column_block in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
-                for column in cutlass.range_constexpr(2):
-                    acc[(column, half, column_block), block, 0] = acc[(column, half, column_block), block, 0] - value
+    MMA layout (mma_rows); one 4-byte load per row a thread holds."""
+    for block, half, row in mma_rows(acc, coords, m, tile_m):
+        value = Float32(0.0)
+        if row < cute.size(row_values, mode=[0]):
+            value = row_values[row]
+        for column_block in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
+            for column in cutlass.range_constexpr(2):
+                acc[(column, half, column_block), block, 0] = acc[(column, half, column_block), block, 0] - value
 
 
 @cute.jit
 def rotate_back(acc, coords, cos, sin, m, tile_m: int):
-    """Inverse RoPE of tile row m, one head a tile (tile_n = d), in the warpgroup MMA's layout
-    (see store_row_sums): column j < d/2 and its partner j + d/2 sit in the same thread, column
-    blocks v and v + d/16. cos and sin (equal halves) are read at j < d/2 only, a pair of
-    adjacent columns per 4-byte load; rows past M are left alone (their accumulators are zero
-    and the store clips them)."""
+    """Inverse RoPE of tile row m, one head a tile (tile_n = d), in the MMA layout (mma_rows):
+    column j < d/2 and its partner j + d/2 sit in the same thread, column blocks v and
+    v + d/16. cos and sin (equal halves) are read at j < d/2 only, a pair of adjacent columns
+    per 4-byte load; rows past M are left alone (their accumulators are zero and the store
+    clips them)."""
     pairs = (cute.zipped_divide(cos, (1, 2)), cute.zipped_divide(sin, (1, 2)))  # ((1, 2), (M, d / 2))
     partner = cute.size(acc.shape[0][2]) // 2
-    for block in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-        for half in cutlass.range_constexpr(2):
-            row = m * tile_m + coords[(0, half, 0), block, 0][0]
-            if row < cute.size(cos, mode=[0]):
-                for column_block in cutlass.range_constexpr(partner):
-                    pair = coords[(0, half, column_block), block, 0][1] // 2
-                    tables = []
-                    for table in pairs:
-                        staged, wide = cute.make_rmem_tensor((1, 2), BFloat16), cute.make_rmem_tensor((1, 2), Float32)
-                        cute.autovec_copy(table[(None, (row, pair))], staged)
-                        wide.store(staged.load().to(Float32))
-                        tables.append(wide)
-                    for column in cutlass.range_constexpr(2):
-                        first = acc[(column, half, column_block), block, 0]
-                        second = acc[(column, half, column_block + partner), block, 0]
-                        c, s = tables[0][0, column], tables[1][0, column]
-                        acc[(column, half, column_block), block, 0] = first * c + second * s
-                        acc[(column, half, column_block + partner), block, 0] = second * c - first * s
+    for block, half, row in mma_rows(acc, coords, m, tile_m):
+        if row < cute.size(cos, mode=[0]):
+            for column_block in cutlass.range_constexpr(partner):
+                pair = coords[(0, half, column_block), block, 0][1] // 2
+                tables = []
+                for table in pairs:
+                    staged, wide = cute.make_rmem_tensor((1, 2), BFloat16), cute.make_rmem_tensor((1, 2), Float32)
+                    cute.autovec_copy(table[(None, (row, pair))], staged)
+                    wide.store(staged.load().to(Float32))
+                    tables.append(wide)
+                for column in cutlass.range_constexpr(2):
+                    first = acc[(column, half, column_block), block, 0]
+                    second = acc[(column, half, column_block + partner), block, 0]
+                    c, s = tables[0][0, column], tables[1][0, column]
+                    acc[(column, half, column_block), block, 0] = first * c + second * s
+                    acc[(column, half, column_block + partner), block, 0] = second * c - first * s
 
 
 def tma_load_op(peers: int):
