@@ -230,7 +230,8 @@ def _fake_args(hidden: int, ids_dtype):
     order = runtime.fake_tensor(Int64, (tokens,), (1,), 8)
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
-    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, weight, sorted_ids, order, table, weight, workspace, Int32(1))
+    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, weight, sorted_ids,
+            order, table, weight, workspace, Int32(1))
 
 
 def _build(hidden: int, accumulate: bool, ids_dtype, arch: str, dump_dir=None):

@@ -443,7 +443,8 @@ class Sm100Gemm:
     def _epilogue_io(self, storage, fused, thr_mma):
         """A fused epilogue's slot tensors: ([(TMA atom, this CTA's subtiles) of each input], the
         slots' full barriers, [the same for the second output]), or None where nothing goes
-        through slots (the plain store, rope_inverse). Subtiles are indexed like C's (gemm_sm100._epilogue's g_parts)."""
+        through slots (the plain store, rope_inverse). Subtiles are indexed like C's
+        (gemm_sm100._epilogue's g_parts)."""
         if cutlass.const_expr(not self.epilogue.uses_slots):
             return None
         tile = cute.slice_(self.mma_tiler, (None, None, 0))

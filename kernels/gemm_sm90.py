@@ -288,9 +288,10 @@ class Sm90Gemm:
     def _epilogue_io(self, storage, fused):
         """A fused epilogue's slot tensors in the kernel: ([(TMA atom, global tiles) of each
         input], the slots' full barriers, [(TMA atom, global tiles) of the second output]), or
-        None where nothing goes through slots (the plain store, rope_inverse). A slot's barrier is armed by the loading thread with the
-        pieces' bytes. No `empty` barrier: a slot is refilled by the team's store warp once the
-        team has synced past the slot's reads and the TMA store from it has read it."""
+        None where nothing goes through slots (the plain store, rope_inverse). A slot's barrier
+        is armed by the loading thread with the pieces' bytes. No `empty` barrier: a slot is
+        refilled by the team's store warp once the team has synced past the slot's reads and
+        the TMA store from it has read it."""
         if cutlass.const_expr(not self.epilogue.uses_slots):
             return None
         tile = (self.tiling.tile_m, self.tiling.tile_n)
@@ -613,7 +614,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
     # 056's attention backward per (batch, head), read through the [b, s, heads, d] strides:
     # g_s = P * (g_ao . v^T - D) / sqrt(160), and g_q = inverse RoPE of g_s . k_rep
-    (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5), 1, "m", True),
+    (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5),
+     1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),

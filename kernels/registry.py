@@ -3,7 +3,8 @@
 A kernel module declares `AUDIT_BUILDS` ({name: build(arch, dump_dir) -> compiled}) and
 `AUDIT_EXPECTS` ({arch: {"require": [families], "forbid": [families]}}), families as
 tools/audit.py names them; an arch a module does not name is not built for it (the GEMM
-core's main loop is per arch: gemm_sm90 builds for sm_90a only, gemm_sm100 for sm_100a only). Adding a kernel to the audit (and so to its test) is one line here.
+core's main loop is per arch: gemm_sm90 builds for sm_90a only, gemm_sm100 for sm_100a
+only). Adding a kernel to the audit (and so to its test) is one line here.
 """
 from . import embedding_backward, gemm_sm90, gemm_sm100, rmsnorm_backward, row_rstd
 
