@@ -404,7 +404,8 @@ def _check(a, b, out, a_name="a", out_name="out", b_name="b"):
     check_same_device(**{a_name: a, b_name: b, out_name: out})
 
 
-# (tiling, a K-major?, b K-major?, C dtype, device, epilogue) -> (TVM-FFI function, max clusters)
+# (tiling, a K-major?, b K-major?, C dtype, device, epilogue, products, stack, batched)
+#     -> (TVM-FFI function, max clusters); see _kernel
 _compiled: dict = {}
 # (M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k asked, epilogue) -> _Call
 _calls: dict = {}
@@ -444,33 +445,49 @@ class _Call:
         self.out_dtype, self.device = out_dtype, device
 
 
+def _device_arch(device) -> str:
+    """The device's arch, if the GEMM core has a build for it."""
+    arch = runtime.device_arch(device.index)
+    if arch not in _ARCH_MODULES:
+        raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
+    return arch
+
+
+def _kernel(arch: str, device, chosen: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
+            epilogue: Epilogue = STORE, products: int = 1, stack: str = "m", batched: bool = False):
+    """(TVM-FFI function, clusters the GPU holds at once) of the build for `chosen`, compiled once
+    per key (the whole epilogue is in it, softmax_bwd's alpha included); split_k is the host's
+    schedule alone, so it is not part of the build."""
+    kernel_tiling = dataclasses.replace(chosen, split_k=False)
+    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, device.index, epilogue, products, stack, batched)
+    if key not in _compiled:
+        import importlib
+
+        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
+        build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, epilogue, products, stack,
+                             batched)
+        _compiled[key] = (runtime.ffi_function(build),
+                          runtime.max_clusters(device, chosen.cluster_m * chosen.cluster_n))
+    return _compiled[key]
+
+
 def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), out2=None, rows=None):
     """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
     import torch
 
     _check_call(a, b, out, c_dtype, epilogue, inputs, out2, rows)
     (m, k), n = a.shape, b.shape[0]
-    arch = runtime.device_arch(a.device.index)
-    if arch not in _ARCH_MODULES:
-        raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
+    arch = _device_arch(a.device)
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
     group_n = n // rows.shape[1] if epilogue.row_sums else inputs[0].shape[1] if epilogue.tables else None
     chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n)
     if group_n and chosen.tile_n != group_n:
         raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
                          f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")
-    kernel_tiling = dataclasses.replace(chosen, split_k=False)  # split_k is the host's schedule alone
-    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index, epilogue)  # (alpha included)
-    if key not in _compiled:
-        import importlib
-
-        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
-        build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, epilogue)
-        _compiled[key] = (runtime.ffi_function(build),
-                          runtime.max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue.name, rows, epilogue.alpha, inputs)] = _Call(
-        *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype))
+        *_kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, epilogue), chosen, m, n, k, a.device,
+        stream_k, getattr(torch, c_dtype))
     return call
 
 
@@ -552,18 +569,8 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
         call = _resolve(a, b, out, tiling, c_dtype, stream_k, _epilogue_kind(epilogue, alpha), inputs, out2, rows)
         (m, k), n = a.shape, b.shape[0]
-    if epilogue == "store":
-        extras = (None, None, None)
-    elif epilogue == "add":
-        extras = (out, None, None)
-    elif epilogue == "dswiglu":
-        if out2 is None:
-            out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
-        extras = (*inputs, out2)
-    elif epilogue == "rope_inverse":
-        extras = (*inputs, None)
-    else:  # one input, and the per-row tensor in the second output's place
-        extras = (*inputs, None, rows)
+    if epilogue == "dswiglu" and out2 is None:
+        out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
     if out is None:
         out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
     results = (out, out2) if epilogue == "dswiglu" else (out, rows) if epilogue == "row_dot" else out
@@ -573,18 +580,33 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         _empty_k(epilogue, out, out2, inputs, rows, alpha)
         return results
     try:
-        call.run(a, b, out, *(call.fixed_args or (*call.workspace.get(), *call.schedule)), *extras)
+        call.run(a, b, out, *(call.fixed_args or (*call.workspace.get(), *call.schedule)),
+                 *epilogue_arguments(epilogue, out, inputs, out2, rows))
     except Exception:  # say which argument and why, in our words
         _check_call(a, b, out, c_dtype, _epilogue_kind(epilogue, alpha), inputs, out2, rows)
         raise
     return results
 
 
+def epilogue_arguments(epilogue: str, out, inputs, out2, rows):
+    """The kernel's (in0, in1, out1) for an epilogue (see fake_arguments): `add` reads C, tables
+    ride as inputs, and a per-row tensor takes the second output's place."""
+    if epilogue == "store":
+        return None, None, None
+    if epilogue == "add":
+        return out, None, None
+    if epilogue == "dswiglu":
+        return *inputs, out2
+    if epilogue == "rope_inverse":
+        return *inputs, None
+    return *inputs, None, rows  # row_dot, softmax_bwd: one input and the per-row tensor
+
+
 def _empty_k(epilogue, out, out2, inputs, rows, alpha):
     """K = 0: the epilogue of a zero accumulator, with no kernel launched (softmax_bwd's
-    p * (0 - rows) * alpha by PyTorch ops)."""
+    p * (0 - rows) * alpha by PyTorch ops; batched tensors too)."""
     if epilogue == "softmax_bwd":
-        out.copy_(inputs[0].float() * -rows[:, None] * alpha)
+        out.copy_(inputs[0].float() * -rows.unsqueeze(-1) * alpha)
     elif epilogue != "add":  # "add": out += 0 (rope_inverse: a rotation of zeros)
         out.zero_()
     for other in (out2, rows if epilogue == "row_dot" else None):

@@ -10,12 +10,11 @@ tables are read by plain loads, not TMA).
 """
 from __future__ import annotations
 
-import dataclasses
 import types
 
 from ..layouts.gemm import GemmTiling, default_tiling
-from . import runtime
-from .gemm import _ARCH_MODULES, ADD_NEEDS_OUT, _Call, _check_call, _compiled, _epilogue_key, _epilogue_kind
+from .gemm import (ADD_NEEDS_OUT, _Call, _check_call, _device_arch, _empty_k, _epilogue_key, _epilogue_kind, _kernel,
+                   epilogue_arguments)
 
 # (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue) -> _Call
 _calls: dict = {}
@@ -62,10 +61,9 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
     if k == 0:
         _empty_k(epilogue, out4, out2_4, inputs4, rows4, alpha)
         return results
-    extras = {"store": (None, None, None), "add": (out4, None, None), "dswiglu": (*inputs4, out2_4),
-              "rope_inverse": (*inputs4, None), "softmax_bwd": (*inputs4, None, rows4)}[epilogue]
     try:
-        call.run(a4, b4, out4, *(call.fixed_args or (*call.workspace.get(), *call.schedule)), *extras)
+        call.run(a4, b4, out4, *(call.fixed_args or (*call.workspace.get(), *call.schedule)),
+                 *epilogue_arguments(epilogue, out4, inputs4, out2_4, rows4))
     except Exception:
         _check_batch(a4, b4, out4, c_dtype, epilogue, inputs4, out2_4, rows4, alpha)  # say which argument and why
         raise
@@ -90,27 +88,17 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
         return types.SimpleNamespace(out_dtype=getattr(torch, c_dtype), device=a.device)
     _, _, m, k = a.shape
     n = b.shape[2]
-    arch = runtime.device_arch(a.device.index)
-    if arch not in _ARCH_MODULES:
-        raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
+    arch = _device_arch(a.device)
     a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
     group_n = inputs[0].shape[-1] if kind.tables else None
     chosen = tiling or default_tiling(m, n, k, arch, fused=bool(kind.inputs), group_n=group_n)
     if group_n and chosen.tile_n != group_n:
         raise ValueError(f"tiling {chosen.spec}: the {epilogue!r} epilogue works per tile, so tile_n must be the "
                          f"tables' width {group_n}")
-    kernel_tiling = dataclasses.replace(chosen, split_k=False)
-    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, a.device.index, kind, "batched")
-    if key not in _compiled:
-        import importlib
-
-        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
-        build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, kind, batched=True)
-        _compiled[key] = (runtime.ffi_function(build),
-                          runtime.max_clusters(a.device, chosen.cluster_m * chosen.cluster_n))
+    run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=True)
     call = _calls[a.shape[0] * a.shape[1], m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue, rows, alpha, inputs)] = _Call(
-        *_compiled[key], chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype), batches=a.shape[0] * a.shape[1])
+        *run, chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype), batches=a.shape[0] * a.shape[1])
     return call
 
 
@@ -142,13 +130,3 @@ def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha):
     first = {name: None if t is None else t[0, 0] for name, t in {**tma_moved, **plain}.items()}
     _check_call(first["a"], first["b"], first["out"], c_dtype, kind, [t[0, 0] for t in inputs], first["out2"],
                 first["rows"])
-
-
-def _empty_k(epilogue, out, out2, inputs, rows, alpha):
-    """K = 0: the epilogue of zero accumulators, by PyTorch ops, no launch."""
-    if epilogue == "softmax_bwd":
-        out.copy_(inputs[0].float() * -rows.unsqueeze(-1) * alpha)
-    elif epilogue != "add":
-        out.zero_()
-    if out2 is not None:
-        out2.zero_()

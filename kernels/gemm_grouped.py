@@ -10,11 +10,8 @@ concatenation copy), in one persistent launch of the GEMM core:
 """
 from __future__ import annotations
 
-import dataclasses
-
 from ..layouts.gemm import GemmTiling, default_tiling
-from . import runtime
-from .gemm import _ARCH_MODULES, _Call, _check, _compiled, _k_major
+from .gemm import _Call, _check, _device_arch, _k_major, _kernel
 
 _calls: dict = {}  # (Ms, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> _Call
 
@@ -97,26 +94,15 @@ def _resolve(a_list, b, outs, tiling, c_dtype, stream_k):
 
     _check_all(a_list, b, outs)
     ms, (n, k) = tuple(a.shape[0] for a in a_list), b.shape
-    arch = runtime.device_arch(b.device.index)
-    if arch not in _ARCH_MODULES:
-        raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
+    arch = _device_arch(b.device)
     a_k_major, b_k_major = _k_major(a_list[0], "a_list[0]"), _k_major(b, "b")
     chosen = tiling or default_tiling(sum(ms), n, k, arch)
-    kernel_tiling = dataclasses.replace(chosen, split_k=False)
-    products = len(a_list)
-    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, b.device.index, "store", products, "m")
-    if key not in _compiled:
-        import importlib
-
-        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
-        build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, products=products, stack="m")
-        _compiled[key] = (runtime.ffi_function(build),
-                          runtime.max_clusters(b.device, chosen.cluster_m * chosen.cluster_n))
+    run = _kernel(arch, b.device, chosen, a_k_major, b_k_major, c_dtype, products=len(a_list), stack="m")
     # The schedule sees the products' rows stacked, each padded to whole cluster tiles.
     rows = chosen.tile_m * chosen.cluster_m
     stacked = sum(-(-m // rows) * rows for m in ms)
     call = _calls[ms, n, k, a_k_major, b_k_major, c_dtype, b.device.index, tiling, stream_k] = _Call(
-        *_compiled[key], chosen, stacked, n, k, b.device, stream_k, getattr(torch, c_dtype))
+        *run, chosen, stacked, n, k, b.device, stream_k, getattr(torch, c_dtype))
     return call
 
 
@@ -199,23 +185,12 @@ def _resolve_summed(pairs, out, tiling, c_dtype, stream_k):
     _check_terms(pairs, out)
     ks = tuple(a.shape[1] for a, _ in pairs)
     (m, _), n, device = pairs[0][0].shape, pairs[0][1].shape[0], pairs[0][0].device
-    arch = runtime.device_arch(device.index)
-    if arch not in _ARCH_MODULES:
-        raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
+    arch = _device_arch(device)
     a_k_major, b_k_major = _k_major(pairs[0][0], "pairs[0][0]"), _k_major(pairs[0][1], "pairs[0][1]")
     chosen = tiling or default_tiling(m, n, sum(ks), arch)
-    kernel_tiling = dataclasses.replace(chosen, split_k=False)
-    terms = len(pairs)
-    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, device.index, "store", terms, "k")
-    if key not in _compiled:
-        import importlib
-
-        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
-        build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, products=terms, stack="k")
-        _compiled[key] = (runtime.ffi_function(build),
-                          runtime.max_clusters(device, chosen.cluster_m * chosen.cluster_n))
+    run = _kernel(arch, device, chosen, a_k_major, b_k_major, c_dtype, products=len(pairs), stack="k")
     # The schedule sees the terms' k-tiles laid end to end, each padded to whole k-tiles.
     stacked = sum(-(-k // chosen.tile_k) * chosen.tile_k for k in ks)
     call = _summed_calls[ks, m, n, a_k_major, b_k_major, c_dtype, device.index, tiling, stream_k] = _Call(
-        *_compiled[key], chosen, m, n, stacked, device, stream_k, getattr(torch, c_dtype))
+        *run, chosen, m, n, stacked, device, stream_k, getattr(torch, c_dtype))
     return call
