@@ -59,10 +59,6 @@ class FusedResidualRmsNormBackward:
         self.hidden = hidden
         self.read_normalized = read_normalized
         self.one_cluster = one_cluster
-        # rstd through the ring as well: with one CTA per SM an exposed rstd load per row set the
-        # one-cluster path's pace (12.2 -> 9.3 us at 128 rows); on the grid path it cost up to 7%
-        # (normalized=None, 8192 rows), four CTAs per SM hiding that load already.
-        self.rstd_in_ring = one_cluster
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
         # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
@@ -71,6 +67,10 @@ class FusedResidualRmsNormBackward:
         row_bytes = hidden * (2 + 4 + (4 if read_normalized else 0))
         self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not one_cluster else \
             ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES - 4 * hidden, ONE_CLUSTER_STAGES)
+        # rstd through the ring as well, where there is one: with one CTA per SM an exposed rstd
+        # load per row set the one-cluster path's pace (12.2 -> 9.3 us at 128 rows); on the grid
+        # path it cost up to 7% (normalized=None, 8192 rows), four CTAs per SM hiding that load.
+        self.rstd_in_ring = one_cluster and self.stages > 0
         self.column_sum = ColumnSum(hidden)
 
     @cute.jit
@@ -148,23 +148,18 @@ class FusedResidualRmsNormBackward:
             fetches = cp_async_atoms()
             for j in cutlass.range_constexpr(ring - 1):
                 if j < my_rows:
-                    fetch_row(fetches, tuple(s[bidx + j * ctas, None] for s in sources), stages, j,
-                              tidx, threads, vpt, h // VECTOR)
-                    if cutlass.const_expr(self.rstd_in_ring):
-                        cute.copy(fetches[2], element(m_rstd, bidx + j * ctas), element(rstd_ring[tidx, None], j))
+                    self.fetch(fetches, sources, m_rstd, bidx + j * ctas, stages, rstd_ring, j, tidx)
                 cute.arch.cp_async_commit_group()
 
         for it in cutlass.range(0, my_rows):
             row = bidx + it * ctas
-            rstd = m_rstd[row]
+            if cutlass.const_expr(not self.rstd_in_ring):
+                rstd = m_rstd[row]
             if cutlass.const_expr(self.stages > 0):
                 # The slot refilled here held row it - 1, which this thread has already read.
                 if it + ring - 1 < my_rows:
-                    fetch_row(fetches, tuple(s[row + (ring - 1) * ctas, None] for s in sources), stages,
-                              (it + ring - 1) % ring, tidx, threads, vpt, h // VECTOR)
-                    if cutlass.const_expr(self.rstd_in_ring):
-                        cute.copy(fetches[2], element(m_rstd, row + (ring - 1) * ctas),
-                                  element(rstd_ring[tidx, None], (it + ring - 1) % ring))
+                    self.fetch(fetches, sources, m_rstd, row + (ring - 1) * ctas, stages, rstd_ring,
+                               (it + ring - 1) % ring, tidx)
                 cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per row
                 cute.arch.cp_async_wait_group(ring - 1)  # this row's group has landed
                 if cutlass.const_expr(self.rstd_in_ring):
@@ -201,6 +196,15 @@ class FusedResidualRmsNormBackward:
                 if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                     staging_f32.store(grad_weight[None, k].load())
                     cute.copy(load_f32, staging_f32, vector(m_part[bidx, None], tidx + k * threads))
+
+    @cute.jit
+    def fetch(self, fetches, sources, m_rstd, row, stages, rstd_ring, slot, tidx):
+        """cp.async this thread's vectors of `row` of every input (and, where it rides in the
+        ring, its own copy of the row's rstd) into ring slot `slot`."""
+        fetch_row(fetches, tuple(s[row, None] for s in sources), stages, slot, tidx, self.threads,
+                  self.vectors_per_thread, self.hidden // VECTOR)
+        if cutlass.const_expr(self.rstd_in_ring):
+            cute.copy(fetches[2], element(m_rstd, row), element(rstd_ring[tidx, None], slot))
 
     @cute.jit
     def add_across_cluster(self, grad_weight: cute.Tensor, m_out: cute.Tensor, smem, tidx, rank):
