@@ -105,9 +105,8 @@ def interleaved_us(timed: dict, *, seconds: float = 3.0, warmup_s: float = 1.0, 
     under sustained load they run the H200 into its 700 W power cap (sampled: 1050 to 1980 MHz,
     throttle reason SW power cap), so a burst's time depends on what ran before it (seen: one
     kernel timed 446 and 475 us by `alternating_best` in one run); turn by turn, every variant
-    sees the same clocks. Graph
-    replay keeps the host out of the figure. A callable that cannot be captured is timed call
-    by call instead (host included)."""
+    sees the same clocks. Graph replay keeps the host out of the figure. A callable that cannot
+    be captured is timed call by call instead (host included)."""
     replays = {who: _captured(fn, [()], calls) for who, fn in timed.items()}
     runs = {who: (graph.replay, calls) if graph is not None else (timed[who], 1) for who, graph in replays.items()}
 
