@@ -234,7 +234,11 @@ class FusedResidualRmsNormBackward:
         cute.arch.cluster_wait()
 
 
-CTAS_PER_SM = 4  # 128 threads x ~125 registers, <= 56 KB of ring: four CTAs (rows in flight) per SM
+# The grid: 3 CTAs per SM, though 4 fit (128 threads x ~125 registers, <= 56 KB of ring). Session 9's
+# sweep (graph replay, out=): 3 per SM beat 4 by 1-3 points at 997 x 16, 1024 x 8, 1973 x 4 and
+# 4096 x 32 normalized=None (fewer grad_weight partials to write and sum); lost ~1 at 1024 x 8
+# normalized=None. 2 per SM won only at 997 x 16.
+CTAS_PER_SM = 3
 
 
 def _fake_args(hidden: int, read_normalized: bool, one_cluster: bool = False):
@@ -335,7 +339,7 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     which checks dtypes, shapes, strides, alignment and device in C and makes the launches
     (one up to ONE_CLUSTER_MAX_ROWS rows, two above);
     the Python checks run on a shape's first call and to explain a rejected call. Each CUDA
-    stream keeps a [4 x SMs, H] fp32 workspace for the partial sums (5.4 MB at H = 2560).
+    stream keeps a [3 x SMs, H] fp32 workspace for the partial sums (4 MB at H = 2560).
     """
     import torch
 
