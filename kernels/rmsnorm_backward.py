@@ -234,11 +234,12 @@ class FusedResidualRmsNormBackward:
         cute.arch.cluster_wait()
 
 
-# The grid: 3 CTAs per SM, though 4 fit (128 threads x ~125 registers, <= 56 KB of ring). Session 9's
-# sweep (graph replay, out=): 3 per SM beat 4 by 1-3 points at 997 x 16, 1024 x 8, 1973 x 4 and
-# 4096 x 32 normalized=None (fewer grad_weight partials to write and sum); lost ~1 at 1024 x 8
-# normalized=None. 2 per SM won only at 997 x 16.
-CTAS_PER_SM = 3
+# The grid's CTAs per SM (4 fit: 128 threads x ~125 registers, <= 56 KB of ring), by whether
+# normalized is read. Session 9's sweep, timed as tools/bench times (out=, inputs rotated past
+# L2), every workload that moves >= 256 MB: with normalized, 2.5 per SM beat 3 by up to 4
+# points (997 x 16: 95.2% against 91.2%; 8192 x 64 lost 1.4) and 3.5 or 4 did worse; without
+# it (fewer bytes in flight per CTA), 3.5 beat 3 by 0.4-2 points (8192 x 64 lost 0.5).
+GRID_CTAS_PER_SM = {True: 2.5, False: 3.5}
 
 
 def _fake_args(hidden: int, read_normalized: bool, one_cluster: bool = False):
@@ -313,7 +314,8 @@ class _Entry:
         import torch
 
         self.device, self.hidden = device, hidden
-        self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_ctas = int(GRID_CTAS_PER_SM[read_normalized] * sms)
         arch = runtime.device_arch(device.index)
         self.run = runtime.ffi_function(_build(hidden, read_normalized, arch))
         self.run_one_cluster = runtime.ffi_function(_build(hidden, read_normalized, arch, one_cluster=True)) \
@@ -339,7 +341,7 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     which checks dtypes, shapes, strides, alignment and device in C and makes the launches
     (one up to ONE_CLUSTER_MAX_ROWS rows, two above);
     the Python checks run on a shape's first call and to explain a rejected call. Each CUDA
-    stream keeps a [3 x SMs, H] fp32 workspace for the partial sums (4 MB at H = 2560).
+    stream keeps a [<= 3.5 x SMs, H] fp32 workspace for the partial sums (<= 4.7 MB at H = 2560).
     """
     import torch
 
