@@ -84,7 +84,7 @@ def test_bitwise_repeatable_with_heavy_duplication():
 def test_out_of_range_ids_raise_and_write_nothing():
     go, ids, x, r, w = PROBLEM.make_inputs(2, 64, device="cuda", seed=2)
     out = (torch.full((65536, 4096), 3.0, dtype=torch.bfloat16, device="cuda"), torch.zeros(4096, device="cuda"))
-    for bad in (65536, -1):
+    for bad in (65536, -1, 2**32 + 5):  # the last wraps to 5 in int32: the check must see the int64 id
         ids[1, 7] = bad
         with pytest.raises(ValueError, match=r"input_ids: every id must lie in \[0, 65536\)"):
             kernel(go, ids, x, r, w, out=out, accumulate=True)
