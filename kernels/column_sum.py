@@ -10,7 +10,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from .rows import VECTOR, vector, wide_copy
 
@@ -24,6 +24,8 @@ class ColumnSum:
     warp 0 adds the warps in warp order. Many CTAs each walking a few rows: the ~500 partial
     rows of a persistent grid cost about two round trips to L2. Launched with programmatic
     dependent launch: it starts while the backward kernel drains and waits on griddepcontrol.
+    With `skip` (a one-element fp32 tensor an earlier kernel writes), out is left alone where
+    skip[0] != 0: how 087 writes nothing for out-of-range ids without a host round trip.
     """
 
     WARPS = 16
@@ -34,12 +36,12 @@ class ColumnSum:
         self.hidden = hidden
 
     @cute.jit
-    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
-        self.kernel(partials, out).launch(grid=[cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1, 1],
+    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream, skip=None):
+        self.kernel(partials, out, skip).launch(grid=[cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1, 1],
                                           block=[32 * self.WARPS, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor):
+    def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor, m_skip):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, warp = tidx % 32, tidx // 32
@@ -64,7 +66,11 @@ class ColumnSum:
         if row_lane == 0:
             warp_sums[None, column, warp].store(acc.load())
         cute.arch.barrier()
-        if warp == 0 and row_lane == 0 and v < self.hidden // VECTOR:
+        skipped = Int32(0)
+        if cutlass.const_expr(m_skip is not None):
+            if m_skip[0] != 0.0:
+                skipped = Int32(1)
+        if warp == 0 and row_lane == 0 and v < self.hidden // VECTOR and skipped == 0:
             acc.fill(0.0)
             for w in cutlass.range_constexpr(self.WARPS):
                 acc.store(acc.load() + warp_sums[None, column, w].load())

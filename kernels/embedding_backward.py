@@ -6,10 +6,17 @@ scatter-add of dx into the [V, H] bf16 embedding-gradient table, one FFI call.
     grad_weight = sum over tokens of g_t * x_t * rstd_t
 
 Index pass (host, PyTorch): a stable sort of the ids gives the tokens grouped by id, each
-group in token order, which fixes the order of every fp32 sum: bitwise repeatable. The ids'
-range is read back before anything is written, but the sort is queued first: the GPU sorts
-while the host waits for the range, checks it and issues the launches (measured at 32K
-tokens: the GPU idled ~126 us a call when the host waited for the sort instead).
+group in token order, which fixes the order of every fp32 sum: bitwise repeatable.
+
+Id check: out-of-range ids raise and nothing is written, so the host waits for a verdict once
+a call; where it waits depends on the call's size (measured, tools/reports/087-notes.md):
+- small calls, host-bound: every kernel reads the sorted ends and, with an id outside
+  [0, vocab), writes neither the table nor grad_weight; the row kernel's CTA 0 leaves that
+  verdict in a status word, read back once the launches are done;
+- large calls, GPU-bound: the ids' smallest and largest go to a pinned buffer first, the sort
+  is queued behind them, and the host waits for the range only, so the GPU sorts while the
+  host checks and issues the launches (waiting for the sort instead left the GPU idle ~126 us
+  a call at 32K tokens).
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (row in registers, as in 013), adds dx into a running
@@ -36,6 +43,11 @@ from .rows import (MAX_HIDDEN, VECTOR, fake_rows, fake_rstd, read_row, row_sum, 
 
 TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
 CTAS_PER_SM = 2  # 256 threads x 128 registers
+# Up to this many tokens the id verdict is read back after the launches (the call is host-bound
+# there; measured at <= 256 tokens: 67-144 us a call against 165-226 with the range read first),
+# above it the range is read first while the sort runs (4096 tokens and up: 130-197 against
+# 205-211; 16K: 272-275 against 391-398). Between 256 and 4096 tokens not measured.
+DEVICE_CHECK_MAX_TOKENS = 2048
 
 
 def _range(c, tokens, ctas):
@@ -57,22 +69,24 @@ class EmbeddingRmsNormBackward:
                  weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
                  grad_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
         """workspace rows: [0, ctas) grad_weight partials; ctas + 2c and ctas + 2c + 1 the head
-        and tail segment partials of range c."""
+        and tail segment partials of range c; the last row's first element the id status (1.0:
+        an id out of range, nothing written)."""
         h = self.hidden
         row_stride = cute.assume(workspace.stride[0], divby=VECTOR)
         partials = cute.make_tensor(workspace.iterator, cute.make_layout((ctas, h), stride=(row_stride, 1)))
         carries = cute.make_tensor(workspace.iterator + ctas * row_stride,
                                    cute.make_layout((2 * ctas, h), stride=(row_stride, 1)))
+        status = cute.make_tensor(workspace.iterator + (workspace.shape[0] - 1) * row_stride, cute.make_layout(1))
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], weight,
-                    sorted_ids, order, table, partials, carries).launch(
+                    sorted_ids, order, table, partials, carries, status).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
         self.fixup(sorted_ids, table, carries, ctas, stream)
-        self.column_sum(partials, grad_weight, stream)
+        self.column_sum(partials, grad_weight, stream, skip=status)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
                m_sorted: cute.Tensor, m_order: cute.Tensor, m_table: cute.Tensor, m_part: cute.Tensor,
-               m_carry: cute.Tensor):
+               m_carry: cute.Tensor, m_status: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -81,6 +95,11 @@ class EmbeddingRmsNormBackward:
         vectors = h // VECTOR
         tokens = cute.size(m_sorted)
         lo, hi = _range(bidx, tokens, ctas), _range(bidx + 1, tokens, ctas)
+        in_range = _ids_in_range(m_sorted, m_table.shape[0])
+        if bidx == 0 and tidx == 0:
+            m_status[0] = Float32(1 - in_range)
+        if in_range == 0:
+            hi = lo  # no rows, so no table writes (partials go to the workspace only)
 
         smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
@@ -123,10 +142,19 @@ class EmbeddingRmsNormBackward:
                                      tidx, threads, vpt, vectors)
                 segment.fill(0.0)
         # The last segment goes on past this range: hand its sum on as a partial.
-        if hi < tokens:
+        if hi < tokens and hi > lo:
             if m_sorted[hi] == m_sorted[hi - 1]:
                 store_row(loads[1], segment, m_carry[2 * bidx + 1 - head, None], tidx, threads, vpt, vectors)
         store_row(loads[1], grad_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
+
+
+@cute.jit
+def _ids_in_range(m_sorted, vocab) -> Int32:
+    """1 when every id lies in [0, vocab): the sorted ends do."""
+    ok = Int32(0)
+    if m_sorted[0] >= 0 and m_sorted[cute.size(m_sorted) - 1] < vocab:
+        ok = Int32(1)
+    return ok
 
 
 @cute.jit
@@ -177,7 +205,7 @@ class SegmentFixup:
         f32 = wide_copy(Float32)
         v = column_block * self.LINE_VECTORS + lane
         owns = Int32(0)
-        if hi < tokens:
+        if hi < tokens and _ids_in_range(m_sorted, m_table.shape[0]) == 1:
             if m_sorted[hi] == m_sorted[hi - 1]:
                 owns = Int32(1)
                 if lo > 0:
@@ -292,13 +320,13 @@ class _Entry:
         self.device = device
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self.run = runtime.ffi_function(_build(hidden, accumulate, runtime.device_arch(device.index)))
-        # grad_weight partials, then two segment partials per range
-        self.workspace = _Workspace(3 * self.max_ctas, hidden, device, ids_dtype)
+        # grad_weight partials, two segment partials per range, the id status
+        self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device, ids_dtype)
 
 
 class _Workspace(runtime.StreamWorkspace):
-    """Per stream: the workspace, a pinned [smallest, largest] id buffer and the event that says
-    it has arrived."""
+    """Per stream: the workspace, a view of its id status element, a pinned [smallest, largest]
+    id buffer and the event that says that has arrived."""
 
     def __init__(self, rows: int, cols: int, device, ids_dtype):
         super().__init__(rows, cols, device)
@@ -307,7 +335,20 @@ class _Workspace(runtime.StreamWorkspace):
     def _new(self):
         import torch
 
-        return (super()._new(), torch.empty(2, dtype=self.ids_dtype, pin_memory=True), torch.cuda.Event())
+        buffer = super()._new()
+        return buffer, buffer[-1, 0], torch.empty(2, dtype=self.ids_dtype, pin_memory=True), torch.cuda.Event()
+
+
+def _id_range(ids):
+    import torch
+
+    return torch.stack(torch.aminmax(ids)).tolist()
+
+
+def _raise_if_out_of_range(smallest, largest, vocab_size):
+    if smallest < 0 or largest >= vocab_size:
+        raise ValueError(f"input_ids: every id must lie in [0, {vocab_size}), got ids from {smallest} to {largest}"
+                         " (nothing was written)")
 
 
 _entries: dict = {}
@@ -329,8 +370,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     once: bitwise repeatable. Ids outside [0, vocab_size) raise ValueError and nothing is
     written.
 
-    The index pass is PyTorch's stable sort of the ids; the id-range check reads the ids'
-    smallest and largest back to the host, one synchronization per call, while the sort runs.
+    The index pass is PyTorch's stable sort of the ids. The id check makes the host wait once
+    a call: up to DEVICE_CHECK_MAX_TOKENS tokens for the kernels' verdict at the end, above
+    for the ids' range while the sort runs (module docstring).
     """
     import torch
 
@@ -361,18 +403,23 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         grad_weight.zero_()
         return out
     ids = input_ids.reshape(tokens)
-    workspace, id_range, range_ready = entry.workspace.get()
-    id_range.copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
-    range_ready.record()
-    # The sort is queued before the host waits, so the GPU sorts while the host checks the range
-    # and issues the launches. Its keys are int32: half the radix passes of int64 keys, and exact
-    # whenever the range check below passes (the sorted ids are used only then).
-    sorted_ids, order = torch.sort(ids.to(torch.int32), stable=True)
-    range_ready.synchronize()
-    smallest, largest = id_range.tolist()
-    if smallest < 0 or largest >= vocab_size:
-        raise ValueError(f"input_ids: every id must lie in [0, {vocab_size}), got ids from {smallest} to {largest}"
-                         " (nothing was written)")
+    workspace, status, id_range, range_ready = entry.workspace.get()
+    # The sort's keys are int32: half the radix passes of int64 keys.
+    verdict_after = tokens <= DEVICE_CHECK_MAX_TOKENS
+    if verdict_after:
+        # Clamped before the cast so an int64 id cannot wrap into range for the kernels' check.
+        keys = ids if ids.dtype == torch.int32 else ids.clamp(-1, vocab_size).to(torch.int32)
+        sorted_ids, order = torch.sort(keys, stable=True)
+        if zero_fill:  # the fill must not run for bad ids: here the host waits before it
+            _raise_if_out_of_range(*_id_range(ids), vocab_size)
+    else:
+        id_range.copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
+        range_ready.record()
+        # Queued before the host waits for the range: the GPU sorts meanwhile. The cast is exact
+        # whenever the check passes, and the sorted ids are used only then.
+        sorted_ids, order = torch.sort(ids.to(torch.int32), stable=True)
+        range_ready.synchronize()
+        _raise_if_out_of_range(*id_range.tolist(), vocab_size)
     if zero_fill:
         table.zero_()
     try:
@@ -381,6 +428,8 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     except Exception:
         _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
         raise
+    if verdict_after and status.item():  # the kernels found an id out of range and wrote nothing
+        _raise_if_out_of_range(*_id_range(ids), vocab_size)
     return out
 
 

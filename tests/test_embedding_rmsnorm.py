@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from cutebwd import embedding_rmsnorm_backward as kernel
+from cutebwd.kernels.embedding_backward import DEVICE_CHECK_MAX_TOKENS
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import WORKLOADS
 from cutebwd.tools.parity import assert_parity, check_problem
@@ -81,8 +82,10 @@ def test_bitwise_repeatable_with_heavy_duplication():
 
 
 @pytest.mark.gpu
-def test_out_of_range_ids_raise_and_write_nothing():
-    go, ids, x, r, w = PROBLEM.make_inputs(2, 64, device="cuda", seed=2)
+# 2 x seq tokens: the kernels' verdict read after the launches; the range read before them
+@pytest.mark.parametrize("seq", [64, DEVICE_CHECK_MAX_TOKENS // 2 + 8])
+def test_out_of_range_ids_raise_and_write_nothing(seq):
+    go, ids, x, r, w = PROBLEM.make_inputs(2, seq, device="cuda", seed=2)
     out = (torch.full((65536, 4096), 3.0, dtype=torch.bfloat16, device="cuda"), torch.zeros(4096, device="cuda"))
     for bad in (65536, -1, 2**32 + 5):  # the last wraps to 5 in int32: the check must see the int64 id
         ids[1, 7] = bad
