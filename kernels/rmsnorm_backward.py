@@ -16,11 +16,15 @@ each CTA writes one fp32 partial row, and `ColumnSum` adds the partials in a fix
 no float atomics, so grad_weight is bitwise repeatable. Both launches come from one host
 function, so a call is one TVM-FFI call.
 
-Up to ONE_CLUSTER_MAX_ROWS rows the op is one launch of one 16-CTA cluster instead: each CTA
+Up to ONE_LAUNCH_MAX_ROWS rows the op is one launch of one 16-CTA cluster instead: each CTA
 leaves its partial row in shared memory and, after a cluster barrier, adds a slice of the
 columns over all 16 partials through distributed shared memory, in CTA order (still bitwise
 repeatable). No workspace and no second launch: at 128 rows the two-launch call is bound by
 its host time, and a launch costs ~2.7 us of it (tools/reports/013-notes.md, session 8).
+Where the device holds two such clusters at once, the launch is two of them: a cluster sits in
+one GPC, whose path to memory set the one-cluster pace, and two GPCs stream twice the rows. The
+second cluster hands its column sums to the first through global memory (a release/acquire
+flag per CTA rank), which adds them after its own: a fixed order again.
 """
 from __future__ import annotations
 
@@ -45,7 +49,9 @@ MAX_STAGES = 4  # H = 2560: 2 stages (51 KB) with normalized, 3 (46 KB) without
 # grows ~1 us per 16 rows: 10.7 us at 131 rows, 11.7 at 160, where the two launches measured
 # 10.2-14 us; so it ends at 144 rows.
 ONE_CLUSTER = 16
-ONE_CLUSTER_MAX_ROWS = 144
+# Rows up to which the one-launch path runs, by its cluster count. Two clusters: a guess
+# (session 9, not yet measured): the one-cluster figures at twice the rows.
+ONE_LAUNCH_MAX_ROWS = {1: 144, 2: 288}
 # One CTA per SM on the one-launch path, so its ring may take most of the shared memory: the
 # cluster's 16 SMs have to stream every row.
 ONE_CLUSTER_RING_BYTES = 192 * 1024
@@ -53,24 +59,27 @@ ONE_CLUSTER_STAGES = 8
 
 
 class FusedResidualRmsNormBackward:
-    def __init__(self, hidden: int, read_normalized: bool, one_cluster: bool = False):
+    def __init__(self, hidden: int, read_normalized: bool, clusters: int = 0):
+        """clusters: 0 for the grid path (row kernel + column sum), 1 or 2 for one launch of
+        that many 16-CTA clusters."""
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden = hidden
         self.read_normalized = read_normalized
-        self.one_cluster = one_cluster
+        self.one_cluster = clusters > 0  # the one-launch path
+        self.clusters = clusters
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
         # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
         # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a
         # row: no ring.
         row_bytes = hidden * (2 + 4 + (4 if read_normalized else 0))
-        self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not one_cluster else \
+        self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not self.one_cluster else \
             ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES - 4 * hidden, ONE_CLUSTER_STAGES)
         # rstd through the ring as well, where there is one: with one CTA per SM an exposed rstd
         # load per row set the one-cluster path's pace (12.2 -> 9.3 us at 128 rows); on the grid
         # path it cost up to 7% (normalized=None, 8192 rows), four CTAs per SM hiding that load.
-        self.rstd_in_ring = one_cluster and self.stages > 0
+        self.rstd_in_ring = self.one_cluster and self.stages > 0
         self.column_sum = ColumnSum(hidden)
 
     @cute.jit
@@ -87,26 +96,29 @@ class FusedResidualRmsNormBackward:
         partials = cute.make_tensor(workspace.iterator, cute.make_layout(
             (ctas, self.hidden), stride=(cute.assume(workspace.stride[0], divby=VECTOR), 1)))
         self.kernel(rows_view(grad_output), rows_view(x), m_norm, rows_view(rstd)[None, 0], weight,
-                    rows_view(grad_hidden), rows_view(grad_residual), partials).launch(
+                    rows_view(grad_hidden), rows_view(grad_residual), partials, None).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
         self.column_sum(partials, grad_weight, stream)
 
     @cute.jit
     def one_launch(self, grad_output: cute.Tensor, x: cute.Tensor, normalized: cute.Tensor | None,
                    rstd: cute.Tensor, weight: cute.Tensor, grad_hidden: cute.Tensor,
-                   grad_residual: cute.Tensor, grad_weight: cute.Tensor, stream: cuda.CUstream):
-        """The one-cluster path (built with one_cluster=True): one launch, grad_weight summed
-        across the cluster, no workspace."""
+                   grad_residual: cute.Tensor, grad_weight: cute.Tensor, handoff: cute.Tensor | None,
+                   stream: cuda.CUstream):
+        """The one-launch path (built with clusters = 1 or 2): grad_weight summed across the
+        cluster(s). With two clusters `handoff` is a zeroed fp32 [H + 16] buffer: the second
+        cluster's column sums, then one flag per CTA rank, which the kernel leaves at zero."""
         m_norm = rows_view(x)
         if cutlass.const_expr(normalized is not None):
             m_norm = rows_view(normalized)
         self.kernel(rows_view(grad_output), rows_view(x), m_norm, rows_view(rstd)[None, 0], weight,
-                    rows_view(grad_hidden), rows_view(grad_residual), grad_weight).launch(
-            grid=[ONE_CLUSTER, 1, 1], block=[self.threads, 1, 1], cluster=[ONE_CLUSTER, 1, 1], stream=stream)
+                    rows_view(grad_hidden), rows_view(grad_residual), grad_weight, handoff).launch(
+            grid=[ONE_CLUSTER * self.clusters, 1, 1], block=[self.threads, 1, 1], cluster=[ONE_CLUSTER, 1, 1],
+            stream=stream)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_norm: cute.Tensor, m_rstd: cute.Tensor,
-               m_w: cute.Tensor, m_gh: cute.Tensor, m_gr: cute.Tensor, m_part: cute.Tensor):
+               m_w: cute.Tensor, m_gh: cute.Tensor, m_gr: cute.Tensor, m_part: cute.Tensor, m_handoff):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -188,7 +200,7 @@ class FusedResidualRmsNormBackward:
                     cute.copy(load_bf16, staging_bf16, vector(m_gr[row, None], tidx + k * threads))
 
         if cutlass.const_expr(self.one_cluster):
-            self.add_across_cluster(grad_weight, m_part, smem, tidx, bidx)
+            self.add_across_clusters(grad_weight, m_part, m_handoff, smem, tidx, bidx)
         else:
             # Let the column sum launch now; its griddepcontrol.wait still waits for these partials.
             cute.arch.griddepcontrol_launch_dependents()
@@ -207,27 +219,58 @@ class FusedResidualRmsNormBackward:
             cute.copy(fetches[2], element(m_rstd, row), element(rstd_ring[tidx, None], slot))
 
     @cute.jit
-    def add_across_cluster(self, grad_weight: cute.Tensor, m_out: cute.Tensor, smem, tidx, rank):
-        """m_out = the sum of the cluster's per-CTA grad_weight partials, added in CTA order:
+    def add_across_clusters(self, grad_weight: cute.Tensor, m_out: cute.Tensor, m_handoff, smem, tidx, bidx):
+        """m_out = the sum of every CTA's grad_weight partial, in a fixed order. Within a cluster
         each CTA leaves its partial in shared memory and adds a slice of the columns over all
-        of them through distributed shared memory. The grid is the cluster, so the block index
-        is the rank. (Measured against pushing the slices to their owners with st.async and
-        an mbarrier, which needs no release fence: 9.1 against 10.0 us at 128 rows.)"""
+        16 of them through distributed shared memory, in rank order. (Measured against pushing
+        the slices to their owners with st.async and an mbarrier, which needs no release fence:
+        9.1 against 10.0 us at 128 rows.) With two clusters, rank r of the second stores its
+        slice in `m_handoff` and raises flag r (a release); rank r of the first, owning the same
+        slice, waits for that flag (an acquire), adds the stored slice after its own and lowers
+        the flag for the next call."""
         vectors, threads = self.hidden // VECTOR, self.threads
+        # One column vector per thread at most: thread_split gives <= 16 vectors a thread.
+        assert vectors <= ONE_CLUSTER * threads
+        rank, cluster = bidx % ONE_CLUSTER, bidx // ONE_CLUSTER
         partial = smem.allocate_tensor(Float32, cute.make_layout((self.hidden,)), byte_alignment=16)
         for k in cutlass.range_constexpr(self.vectors_per_thread):
             if tidx + k * threads < vectors:
                 vector(partial, tidx + k * threads).store(grad_weight[None, k].load())
         cute.arch.cluster_arrive()  # release: this CTA's partial is written
         cute.arch.cluster_wait()  # acquire: every CTA's partial is readable
+        v = rank * threads + tidx
         acc = cute.make_rmem_tensor((VECTOR,), Float32)
-        for v in cutlass.range(rank * threads + tidx, vectors, ONE_CLUSTER * threads):
-            acc.fill(0.0)
+        acc.fill(0.0)
+        if v < vectors:
             for r in cutlass.range_constexpr(ONE_CLUSTER):
                 values = load_remote_vector(vector(partial, v).iterator, r)
                 for e in cutlass.range_constexpr(VECTOR):
                     acc[e] = acc[e] + values[e]
-            cute.copy(wide_copy(Float32), acc, vector(m_out, v))
+        if cutlass.const_expr(self.clusters == 1):
+            if v < vectors:
+                cute.copy(wide_copy(Float32), acc, vector(m_out, v))
+        else:
+            flag = m_handoff.iterator + self.hidden + rank
+            if cluster == 1:
+                if v < vectors:
+                    cute.copy(wide_copy(Float32), acc, vector(m_handoff, v))
+                cute.arch.barrier()  # every thread's slice is stored before the flag goes up
+                if tidx == 0:
+                    cute.arch.store(flag, Int32(1), sem="release", scope="gpu")
+            else:
+                if tidx == 0:
+                    raised = Int32(0)
+                    while raised == 0:
+                        raised = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                cute.arch.barrier()  # the flag's acquire orders every thread's reads below
+                if v < vectors:
+                    other = cute.make_rmem_tensor((VECTOR,), Float32)
+                    cute.copy(wide_copy(Float32), vector(m_handoff, v), other)
+                    acc.store(acc.load() + other.load())
+                    cute.copy(wide_copy(Float32), acc, vector(m_out, v))
+                cute.arch.barrier()  # every thread has read the slice before the flag comes down
+                if tidx == 0:
+                    cute.arch.store(flag, Int32(0), sem="relaxed", scope="gpu")
         # No CTA may exit (freeing its shared memory) while another still reads its partial. The
         # reads have returned (their sums are stored), so the arrive needs no release fence.
         cute.arch.cluster_arrive_relaxed()
@@ -242,7 +285,7 @@ class FusedResidualRmsNormBackward:
 GRID_CTAS_PER_SM = {True: 2.5, False: 3.5}
 
 
-def _fake_args(hidden: int, read_normalized: bool, one_cluster: bool = False):
+def _fake_args(hidden: int, read_normalized: bool, clusters: int = 0):
     """Compile-time stand-ins for the call's tensors. batch and seq are shared symbols, so each
     call checks in C that every [b, s, ...] tensor agrees; strides are free (multiples of VECTOR
     elements, so every row start is vector aligned); H is static."""
@@ -254,17 +297,20 @@ def _fake_args(hidden: int, read_normalized: bool, one_cluster: bool = False):
     normalized = rows_of(Float32) if read_normalized else None
     tensors = (rows_of(BFloat16), rows_of(Float32), normalized, rstd, weight, rows_of(BFloat16),
                rows_of(BFloat16), weight)
-    return tensors if one_cluster else (*tensors, workspace, Int32(1))
+    if clusters == 0:
+        return (*tensors, workspace, Int32(1))
+    handoff = runtime.fake_tensor(Float32, (hidden + ONE_CLUSTER,), (1,), 16) if clusters == 2 else None
+    return (*tensors, handoff)
 
 
-def _build(hidden: int, read_normalized: bool, arch: str, dump_dir=None, one_cluster: bool = False):
+def _build(hidden: int, read_normalized: bool, arch: str, dump_dir=None, clusters: int = 0):
     """The compiled op for one hidden size: row kernel + column sum in one host function, or
-    with `one_cluster` the one-launch path; batch, seq, strides and the CTA count are runtime
-    values."""
-    op = FusedResidualRmsNormBackward(hidden, read_normalized, one_cluster)
+    with `clusters` (1 or 2) the one-launch path; batch, seq, strides and the CTA count are
+    runtime values."""
+    op = FusedResidualRmsNormBackward(hidden, read_normalized, clusters)
     return runtime.compile_kernel(
-        ("fused_residual_rmsnorm_backward", hidden, read_normalized, one_cluster),
-        op.one_launch if one_cluster else op, *_fake_args(hidden, read_normalized, one_cluster),
+        ("fused_residual_rmsnorm_backward", hidden, read_normalized, clusters),
+        op.one_launch if clusters else op, *_fake_args(hidden, read_normalized, clusters),
         runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
@@ -318,10 +364,23 @@ class _Entry:
         self.max_ctas = int(GRID_CTAS_PER_SM[read_normalized] * sms)
         arch = runtime.device_arch(device.index)
         self.run = runtime.ffi_function(_build(hidden, read_normalized, arch))
-        self.run_one_cluster = runtime.ffi_function(_build(hidden, read_normalized, arch, one_cluster=True)) \
-            if runtime.max_clusters(device, ONE_CLUSTER) else None
+        # The one-launch path: two clusters where the device holds two at once (each CTA has
+        # an SM to itself), else one, else none.
+        self.clusters = min(2, runtime.max_clusters(device, ONE_CLUSTER))
+        self.one_launch_max_rows = ONE_LAUNCH_MAX_ROWS.get(self.clusters, 0)
+        self.run_one_launch = runtime.ffi_function(_build(hidden, read_normalized, arch, clusters=self.clusters)) \
+            if self.clusters else None
+        # the second cluster's hand-off: zeroed once, and each call leaves its flags at zero
+        self.handoff = _ZeroedWorkspace(1, hidden + ONE_CLUSTER, device) if self.clusters == 2 else None
         # partial-sum rows of grad_weight, one buffer per stream
         self.workspace = runtime.StreamWorkspace(self.max_ctas, hidden, device)
+
+
+class _ZeroedWorkspace(runtime.StreamWorkspace):
+    """A per-stream fp32 [cols] buffer that starts at zero."""
+
+    def _new(self):
+        return super()._new()[0].zero_()
 
 
 _entries: dict = {}
@@ -339,7 +398,7 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
 
     Host cost: one dict lookup, the output allocations (none with out=) and one TVM-FFI call,
     which checks dtypes, shapes, strides, alignment and device in C and makes the launches
-    (one up to ONE_CLUSTER_MAX_ROWS rows, two above);
+    (one up to ONE_LAUNCH_MAX_ROWS rows, two above);
     the Python checks run on a shape's first call and to explain a rejected call. Each CUDA
     stream keeps a [<= 3.5 x SMs, H] fp32 workspace for the partial sums (<= 4.7 MB at H = 2560).
     """
@@ -369,8 +428,9 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
         grad_weight.zero_()
         return out
     try:
-        if rows <= ONE_CLUSTER_MAX_ROWS and entry.run_one_cluster is not None:
-            entry.run_one_cluster(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight)
+        if rows <= entry.one_launch_max_rows:
+            entry.run_one_launch(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
+                                 *((entry.handoff.get(),) if entry.handoff else ()))
         else:
             entry.run(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
                       entry.workspace.get(), min(rows, entry.max_ctas))
@@ -388,9 +448,9 @@ AUDIT_BUILDS = {
     for h, rn in ((2560, True), (2560, False), (1000, True))
 }
 AUDIT_BUILDS.update({
-    f"fused_residual_rmsnorm_backward[H={h},{'normalized' if rn else 'normalized=None'},one cluster]":
-        (lambda arch, dump_dir, h=h, rn=rn: _build(h, rn, arch, dump_dir, one_cluster=True))
-    for h, rn in ((2560, True), (2560, False))
+    f"fused_residual_rmsnorm_backward[H={h},{'normalized' if rn else 'normalized=None'},{c} cluster{'s' * (c > 1)}]":
+        (lambda arch, dump_dir, h=h, rn=rn, c=c: _build(h, rn, arch, dump_dir, clusters=c))
+    for h, rn in ((2560, True), (2560, False)) for c in (1, 2)
 })
 # Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no
 # local-memory spills, no atomics (grad_weight's order is fixed).

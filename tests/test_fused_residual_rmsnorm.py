@@ -32,7 +32,9 @@ def test_workloads(seq, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,seq,hidden", [(1, 1, 2560), (3, 77, 1000), (2, 5, 8), (1, 100, 16384), (1, 300, 16384)])
+# rows: one launch of one or two clusters up to ONE_LAUNCH_MAX_ROWS, the grid above
+@pytest.mark.parametrize("batch,seq,hidden", [(1, 1, 2560), (3, 77, 1000), (2, 5, 8), (1, 100, 16384), (1, 250, 2560),
+                                              (1, 300, 16384)])
 def test_odd_sizes(batch, seq, hidden):
     check_problem(PROBLEM, kernel, batch, seq, dims={"hidden": hidden}, seed=hidden)
 
@@ -83,9 +85,9 @@ def test_grad_weight_is_bitwise_repeatable():
 @pytest.mark.gpu
 def test_back_to_back_calls_with_changing_cta_counts():
     """Calls on one stream share its partial-sum workspace: calls whose CTA count changes from
-    one to the next (1, 7, 300, then the full grid) must not mix sums; each grad_weight equals
+    one to the next (1, 7, 200, 300, then the full grid) must not mix sums; each grad_weight equals
     its shape's lone result bitwise."""
-    shapes = [(1, 1), (1, 7), (1, 300), (8, 1024)]
+    shapes = [(1, 1), (1, 7), (1, 200), (1, 300), (8, 1024)]
     inputs = {shape: PROBLEM.make_inputs(*shape, device="cuda", seed=shape[1]) for shape in shapes}
     alone = {shape: kernel(*inputs[shape])[2].clone() for shape in shapes}
     results = [(shape, kernel(*inputs[shape])[2]) for _ in range(10) for shape in shapes]
@@ -108,9 +110,11 @@ def test_gpu_argument_errors():
 
 
 @pytest.mark.gpu
-def test_concurrent_streams_keep_their_own_partials():
-    """The partial-sum workspace is per stream: two streams running at once must not mix sums."""
-    sets = [PROBLEM.make_inputs(16, 997, device="cuda", seed=s) for s in (21, 22)]
+@pytest.mark.parametrize("batch,seq", [(16, 997), (1, 250)])  # the grid; one launch (two clusters' hand-off)
+def test_concurrent_streams_keep_their_own_partials(batch, seq):
+    """The partial-sum workspace and the clusters' hand-off buffer are per stream: two streams
+    running at once must not mix sums."""
+    sets = [PROBLEM.make_inputs(batch, seq, device="cuda", seed=s) for s in (21, 22)]
     expected = [PROBLEM.run_reference(inputs, fp32_outputs=True) for inputs in sets]
     streams = [torch.cuda.Stream() for _ in sets]
     outputs = [[], []]
@@ -126,8 +130,9 @@ def test_concurrent_streams_keep_their_own_partials():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_reads_new_inputs():
-    inputs = PROBLEM.make_inputs(2, 211, device="cuda", seed=5)
+@pytest.mark.parametrize("batch,seq", [(2, 211), (1, 250)])  # the grid; one launch
+def test_cuda_graph_replay_reads_new_inputs(batch, seq):
+    inputs = PROBLEM.make_inputs(batch, seq, device="cuda", seed=5)
     out = tuple(torch.empty_like(t) for t in (inputs[0], inputs[0], inputs[4]))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -137,7 +142,7 @@ def test_cuda_graph_replay_reads_new_inputs():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kernel(*inputs, out=out)
-    fresh = PROBLEM.make_inputs(2, 211, device="cuda", seed=6)
+    fresh = PROBLEM.make_inputs(batch, seq, device="cuda", seed=6)
     for dst, src in zip(inputs, fresh):
         dst.copy_(src)
     for t in out:

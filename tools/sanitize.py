@@ -157,10 +157,11 @@ CASES = {
     "gemm batched softmax_bwd, 2 x 3 heads, stream-K": _batched_case(2, 3, 200, 160, stream_k=True),
     "gemm grouped, 3 products, stream-K": _grouped_case((296, 136, 520), 776, 1000, stream_k=True),
     "gemm grouped, 3 summed terms, stream-K": _summed_case(300, 776, (1000, 136, 72), stream_k=True),
-    # 154 and 150 rows: the one-cluster path; 422 rows: row kernel + column sum
-    "013 one cluster": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),
-    "013 one cluster, normalized=None": _problem_case("fused_residual_rmsnorm_backward", 3, 50,
-                                                      without_normalized=True, consistent=True),
+    # 154 and 150 rows: the one-launch path (two clusters where the device holds two, as the
+    # H200 does); 422 rows: row kernel + column sum
+    "013 one launch": _problem_case("fused_residual_rmsnorm_backward", 2, 77, dims={"hidden": 1000}),
+    "013 one launch, normalized=None": _problem_case("fused_residual_rmsnorm_backward", 3, 50,
+                                                     without_normalized=True, consistent=True),
     "013 two launches": _problem_case("fused_residual_rmsnorm_backward", 2, 211, dims={"hidden": 1000}),
     "013 two launches, normalized=None": _problem_case("fused_residual_rmsnorm_backward", 2, 211,
                                                        without_normalized=True, consistent=True),
