@@ -49,9 +49,11 @@ MAX_STAGES = 4  # H = 2560: 2 stages (51 KB) with normalized, 3 (46 KB) without
 # grows ~1 us per 16 rows: 10.7 us at 131 rows, 11.7 at 160, where the two launches measured
 # 10.2-14 us; so it ends at 144 rows.
 ONE_CLUSTER = 16
-# Rows up to which the one-launch path runs, by its cluster count. Two clusters: a guess
-# (session 9, not yet measured): the one-cluster figures at twice the rows.
-ONE_LAUNCH_MAX_ROWS = {1: 144, 2: 288}
+# Rows up to which the one-launch path runs, by its cluster count. Session 9, per call with
+# out= around the Python call (CUDA-graph replay), with normalized: 128 rows one cluster 10.2-10.4
+# us (8.9-9.2), two clusters 8.4 (8.5), two launches 10.2-11.0 (4.5: host-bound); 200 rows two
+# clusters 10.1, two launches 10.5-11.1; 256 rows 11.4-11.6 against 10.9-11.0.
+ONE_LAUNCH_MAX_ROWS = {1: 144, 2: 224}
 # One CTA per SM on the one-launch path, so its ring may take most of the shared memory: the
 # cluster's 16 SMs have to stream every row.
 ONE_CLUSTER_RING_BYTES = 192 * 1024
@@ -430,7 +432,7 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     try:
         if rows <= entry.one_launch_max_rows:
             entry.run_one_launch(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
-                                 *((entry.handoff.get(),) if entry.handoff else ()))
+                                 entry.handoff.get() if entry.handoff else None)
         else:
             entry.run(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
                       entry.workspace.get(), min(rows, entry.max_ctas))
