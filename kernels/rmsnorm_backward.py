@@ -68,7 +68,7 @@ class FusedResidualRmsNormBackward:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden = hidden
         self.read_normalized = read_normalized
-        self.one_cluster = clusters > 0  # the one-launch path
+        self.clustered = clusters > 0  # the one-launch path: CTAs in clusters, sums across them
         self.clusters = clusters
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
@@ -76,12 +76,12 @@ class FusedResidualRmsNormBackward:
         # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a
         # row: no ring.
         row_bytes = hidden * (2 + 4 + (4 if read_normalized else 0))
-        self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not self.one_cluster else \
+        self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not self.clustered else \
             ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES - 4 * hidden, ONE_CLUSTER_STAGES)
         # rstd through the ring as well, where there is one: with one CTA per SM an exposed rstd
         # load per row set the one-cluster path's pace (12.2 -> 9.3 us at 128 rows); on the grid
         # path it cost up to 7% (normalized=None, 8192 rows), four CTAs per SM hiding that load.
-        self.rstd_in_ring = self.one_cluster and self.stages > 0
+        self.rstd_in_ring = self.clustered and self.stages > 0
         self.column_sum = ColumnSum(hidden)
 
     @cute.jit
@@ -201,7 +201,7 @@ class FusedResidualRmsNormBackward:
                     cute.copy(load_bf16, staging_bf16, vector(m_gh[row, None], tidx + k * threads))
                     cute.copy(load_bf16, staging_bf16, vector(m_gr[row, None], tidx + k * threads))
 
-        if cutlass.const_expr(self.one_cluster):
+        if cutlass.const_expr(self.clustered):
             self.add_across_clusters(grad_weight, m_part, m_handoff, smem, tidx, bidx)
         else:
             # Let the column sum launch now; its griddepcontrol.wait still waits for these partials.
