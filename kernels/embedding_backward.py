@@ -428,7 +428,8 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     except Exception:
         _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
         raise
-    if verdict_after and status.item():  # the kernels found an id out of range and wrote nothing
+    # The kernels' verdict, unless the host already checked the range before the fill.
+    if verdict_after and not zero_fill and status.item():  # an id out of range: nothing written
         _raise_if_out_of_range(*_id_range(ids), vocab_size)
     return out
 
