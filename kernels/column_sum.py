@@ -18,18 +18,20 @@ from .rows import VECTOR, vector, wide_copy
 class ColumnSum:
     """out[j] = sum_i partials[i, j], hidden a multiple of VECTOR.
 
-    A CTA owns LINE_VECTORS column vectors (one 128-byte line per partial row) and spreads the
-    partial rows over 64 streams: ROW_LANES row lanes in each of WARPS warps, stream s adding
-    rows s, s + 64, ... in order. The streams combine by a butterfly within the warp, then
-    warp 0 adds the warps in warp order. Many CTAs each walking a few rows: the ~500 partial
-    rows of a persistent grid cost about two round trips to L2. Launched with programmatic
+    A CTA owns LINE_VECTORS column vectors (64 bytes of each partial row) and spreads the
+    partial rows over 128 streams: ROW_LANES row lanes in each of WARPS warps, stream s adding
+    rows s, s + 128, ... in order. The streams combine by a butterfly within the warp, then
+    warp 0 adds the warps in warp order. Many CTAs each walking a few rows: the ~300-500
+    partial rows of a persistent grid cost two to four dependent loads a stream. Launched with programmatic
     dependent launch: it starts while the backward kernel drains and waits on griddepcontrol.
     With `skip` (a one-element fp32 tensor an earlier kernel writes), out is left alone where
     skip[0] != 0: how 087 writes nothing for out-of-range ids without a host round trip.
     """
 
     WARPS = 16
-    LINE_VECTORS = 8  # 8 x 16 bytes: a 128-byte line of one partial row
+    # Half a 128-byte line per CTA: 80 CTAs at H = 2560, +0.5 point at 013's shortest grid calls
+    # against a full line (40 CTAs, longer chains); a quarter line was in between (session 10).
+    LINE_VECTORS = 4
     ROW_LANES = 32 // LINE_VECTORS
 
     def __init__(self, hidden: int):
