@@ -38,8 +38,8 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import runtime
 from .column_sum import ColumnSum
-from .rows import (MAX_HIDDEN, VECTOR, fake_rows, fake_rstd, read_row, row_sum, rows_view, store_row,
-                   thread_split, vector, wide_copy)
+from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
+                   read_row, ring_stages, row_sum, rows_view, store_row, thread_split, vector, wide_copy)
 
 TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
 CTAS_PER_SM = 2  # 256 threads x 128 registers
@@ -48,6 +48,11 @@ CTAS_PER_SM = 2  # 256 threads x 128 registers
 # above it the range is read first while the sort runs (4096 tokens and up: 130-197 against
 # 205-211; 16K: 272-275 against 391-398). Between 256 and 4096 tokens not measured.
 DEVICE_CHECK_MAX_TOKENS = 2048
+# The row kernel's cp.async ring: the rows of the next sorted positions (grad_output, hidden_states
+# and, with accumulate, the table row a segment ends in) load while this one is computed. Two
+# CTAs per SM share the shared memory; H = 4096 gets 3 stages (96 KB with accumulate).
+RING_BYTES = 104 * 1024
+MAX_STAGES = 3
 
 
 def _range(c, tokens, ctas):
@@ -61,6 +66,8 @@ class EmbeddingRmsNormBackward:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden, self.accumulate = hidden, accumulate
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
+        row_bytes = hidden * (2 + 4 + (2 if accumulate else 0))
+        self.stages = ring_stages(row_bytes, RING_BYTES - 4 * MAX_STAGES * self.threads, MAX_STAGES)
         self.fixup = SegmentFixup(hidden, accumulate)
         self.column_sum = ColumnSum(hidden)
 
@@ -115,11 +122,35 @@ class EmbeddingRmsNormBackward:
         if lo > 0:
             if m_sorted[lo - 1] == m_sorted[lo]:
                 head = Int32(1)
+        ring = self.stages
+        if cutlass.const_expr(ring > 0):
+            # Ring in shared memory, as in 013: each thread copies and later reads only its own
+            # vectors (and its own copy of rstd), so no barrier, one cp.async group per position.
+            rows_ring = alloc_ring(smem, (m_go, m_x, m_table) if cutlass.const_expr(self.accumulate) else (m_go, m_x),
+                                   h, ring)
+            rstd_ring = smem.allocate_tensor(Float32, cute.make_layout((threads, ring)), byte_alignment=16)
+            fetches = cp_async_atoms()
+            for j in cutlass.range_constexpr(ring - 1):
+                if lo + j < hi:
+                    self.fetch(fetches, m_go, m_x, m_rstd, m_table, m_sorted, Int32(m_order[lo + j]), lo + j,
+                               rows_ring, rstd_ring, j, tidx)
+                cute.arch.cp_async_commit_group()
         for p in cutlass.range(lo, hi):
-            token = Int32(m_order[p])
+            if cutlass.const_expr(ring > 0):
+                ahead = p + ring - 1
+                token_ahead = Int32(0)
+                if ahead < hi:
+                    token_ahead = Int32(m_order[ahead])  # in flight while row p is computed
+                cute.arch.cp_async_wait_group(ring - 2)  # position p's group has landed
+                slot = (p - lo) % ring
+                rstd = rstd_ring[tidx, slot]
+                read_row(loads, (rows_ring[0][None, slot], rows_ring[1][None, slot]), (g, xs), tidx, threads, vpt,
+                         vectors)
+            else:
+                token = Int32(m_order[p])
+                rstd = m_rstd[token]
+                read_row(loads, (m_go[token, None], m_x[token, None]), (g, xs), tidx, threads, vpt, vectors)
             vid = m_sorted[p]
-            rstd = m_rstd[token]
-            read_row(loads, (m_go[token, None], m_x[token, None]), (g, xs), tidx, threads, vpt, vectors)
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
                 gk, xk = g[None, k].load(), xs[None, k].load()
@@ -129,23 +160,53 @@ class EmbeddingRmsNormBackward:
             for k in cutlass.range_constexpr(vpt):
                 dx = rstd * (g[None, k].load() * weight[None, k].load() - xs[None, k].load() * scale)
                 segment[None, k].store(segment[None, k].load() + dx)
-            ends = Int32(1)
-            if p + 1 < tokens:
-                if m_sorted[p + 1] == vid:
-                    ends = Int32(0)
+            ends = _segment_ends(m_sorted, p)
             if ends == 1:
                 if head == 1:
                     store_row(loads[1], segment, m_carry[2 * bidx, None], tidx, threads, vpt, vectors)
                     head = Int32(0)
                 else:
+                    old_row = m_table[Int32(vid), None]
+                    if cutlass.const_expr(ring > 0 and self.accumulate):
+                        old_row = rows_ring[2][None, (p - lo) % ring]
                     _write_table_row(self.accumulate, loads[0], segment, old, m_table[Int32(vid), None],
-                                     tidx, threads, vpt, vectors)
+                                     tidx, threads, vpt, vectors, old_row)
                 segment.fill(0.0)
+            if cutlass.const_expr(ring > 0):
+                # The slot refilled here held position p - 1, which this thread has already read.
+                if ahead < hi:
+                    self.fetch(fetches, m_go, m_x, m_rstd, m_table, m_sorted, token_ahead, ahead, rows_ring,
+                               rstd_ring, (ahead - lo) % ring, tidx)
+                cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per position
         # The last segment goes on past this range: hand its sum on as a partial.
         if hi < tokens and hi > lo:
             if m_sorted[hi] == m_sorted[hi - 1]:
                 store_row(loads[1], segment, m_carry[2 * bidx + 1 - head, None], tidx, threads, vpt, vectors)
         store_row(loads[1], grad_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
+
+
+    @cute.jit
+    def fetch(self, fetches, m_go, m_x, m_rstd, m_table, m_sorted, token, p, rows_ring, rstd_ring, slot, tidx):
+        """cp.async sorted position p's rows into ring slot `slot`: this thread's vectors of the
+        token's grad_output and hidden_states rows, its own copy of the token's rstd and, with
+        accumulate, the table row of p's id where p ends its segment (read-add-write there)."""
+        fetch_row(fetches, (m_go[token, None], m_x[token, None]), rows_ring, slot, tidx, self.threads,
+                  self.vectors_per_thread, self.hidden // VECTOR)
+        cute.copy(fetches[2], element(m_rstd, token), element(rstd_ring[tidx, None], slot))
+        if cutlass.const_expr(self.accumulate):
+            if _segment_ends(m_sorted, p) == 1:
+                fetch_row(fetches, (m_table[Int32(m_sorted[p]), None],), rows_ring[2:], slot, tidx, self.threads,
+                          self.vectors_per_thread, self.hidden // VECTOR)
+
+
+@cute.jit
+def _segment_ends(m_sorted, p) -> Int32:
+    """1 when sorted position p is the last of its id's segment."""
+    ends = Int32(1)
+    if p + 1 < cute.size(m_sorted):
+        if m_sorted[p + 1] == m_sorted[p]:
+            ends = Int32(0)
+    return ends
 
 
 @cute.jit
@@ -159,10 +220,11 @@ def _ids_in_range(m_sorted, vocab) -> Int32:
 
 @cute.jit
 def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tidx, threads: cutlass.Constexpr,
-                     vpt: cutlass.Constexpr, vectors: cutlass.Constexpr):
-    """row = bf16(segment), or bf16(fp32(row) + segment) when accumulating: one rounding."""
+                     vpt: cutlass.Constexpr, vectors: cutlass.Constexpr, old_row):
+    """row = bf16(segment), or bf16(fp32(old_row) + segment) when accumulating (old_row: the
+    table row itself or its copy in the ring): one rounding."""
     if cutlass.const_expr(accumulate):
-        read_row((atom, atom), (row,), (old,), tidx, threads, vpt, vectors)
+        read_row((atom, atom), (old_row,), (old,), tidx, threads, vpt, vectors)
         for k in cutlass.range_constexpr(vpt):
             old[None, k].store(old[None, k].load() + segment[None, k].load())
         store_row(atom, old, row, tidx, threads, vpt, vectors)

@@ -51,7 +51,7 @@ def test_int32_ids_and_a_vocabulary_of_17():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [8, 1000, 2560])
+@pytest.mark.parametrize("hidden", [8, 1000, 2560, 16384])  # 16384: rows too big for the ring
 def test_other_hidden_sizes(hidden):
     dims = {"vocab": 1000, "hidden": hidden}
     check_problem(PROBLEM, kernel, 3, 211, dims=dims, kernel_options={"vocab_size": 1000})

@@ -132,6 +132,23 @@ def _problem_case(problem, batch, seq, *, without_normalized=False, **options):
     return run
 
 
+def _accumulate_case(batch, seq, vocab, hidden):
+    """087 adding into an existing table (the ring prefetches the table rows segments end in)."""
+    def run():
+        from cutebwd import embedding_rmsnorm_backward
+        from cutebwd.references import PROBLEMS
+        from cutebwd.tools.parity import assert_parity
+
+        problem = PROBLEMS["embedding_rmsnorm_backward"]
+        inputs = problem.make_inputs(batch, seq, device="cuda", seed=7, dims={"vocab": vocab, "hidden": hidden})
+        table = torch.randn(vocab, hidden, device="cuda").bfloat16()
+        want = problem.reference(*inputs, accumulate_into=table, fp32_outputs=True)
+        out = (table.clone(), torch.full((hidden,), float("nan"), device="cuda"))
+        embedding_rmsnorm_backward(*inputs, vocab_size=vocab, out=out, accumulate=True)
+        assert_parity(problem.output_names, out, want, problem.output_dtypes)
+    return run
+
+
 # Small enough to finish under racecheck in seconds, large enough to take every code path:
 # ragged tiles, clusters, pingpong, stream-K hand-over, 256-row tiles, fp32 C, fused epilogues; 013 with and
 # without `normalized` (None: a second case); 087 with duplicated ids and int32 ids.
@@ -170,6 +187,7 @@ CASES = {
     "087 int32 ids, vocabulary of 17": _problem_case("embedding_rmsnorm_backward", 1, 64,
                                                      dims={"vocab": 17, "hidden": 1000},
                                                      kernel_options={"vocab_size": 17}, ids_dtype=torch.int32),
+    "087 accumulate": _accumulate_case(2, 300, 97, 2560),
 }
 
 
