@@ -407,6 +407,23 @@ def _id_range(ids):
     return torch.stack(torch.aminmax(ids)).tolist()
 
 
+def _sort_narrow(ids, vocab_size):
+    """(sorted ids as int32, order): a stable sort on the narrowest keys that hold every id of
+    the vocabulary. int16 up to 65536 ids (shifted by -32768 past 32768): two radix passes
+    instead of int32's four, 31 against 40 us of GPU time at 32K tokens (session 10), the
+    shift and the casts included. Up to 4096 ids PyTorch sorts in one block instead (no radix
+    passes to save): int32 there. Meaningful only for ids already known to be in range."""
+    import torch
+
+    if vocab_size > 2**16 or ids.numel() <= 4096:
+        return torch.sort(ids.to(torch.int32), stable=True)
+    shift = 2**15 if vocab_size > 2**15 else 0
+    keys = (ids - shift if shift else ids).to(torch.int16)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    sorted_ids = sorted_keys.to(torch.int32)
+    return (sorted_ids.add_(shift) if shift else sorted_ids), order
+
+
 def _raise_if_out_of_range(smallest, largest, vocab_size):
     if smallest < 0 or largest >= vocab_size:
         raise ValueError(f"input_ids: every id must lie in [0, {vocab_size}), got ids from {smallest} to {largest}"
@@ -477,9 +494,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     else:
         id_range.copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
         range_ready.record()
-        # Queued before the host waits for the range: the GPU sorts meanwhile. The cast is exact
-        # whenever the check passes, and the sorted ids are used only then.
-        sorted_ids, order = torch.sort(ids.to(torch.int32), stable=True)
+        # Queued before the host waits for the range: the GPU sorts meanwhile. The narrowed keys
+        # are exact whenever the check passes, and the sorted ids are used only then.
+        sorted_ids, order = _sort_narrow(ids, vocab_size)
         range_ready.synchronize()
         _raise_if_out_of_range(*id_range.tolist(), vocab_size)
     if zero_fill:

@@ -97,6 +97,21 @@ def test_out_of_range_ids_raise_and_write_nothing(seq):
 
 
 @pytest.mark.gpu
+# Above 4096 tokens the sort runs on narrowed keys: int16 (1000), int16 shifted by -32768 (65536:
+# ids on both sides of the shift and at both ends), int32 (70000).
+@pytest.mark.parametrize("vocab", [1000, 65536, 70000])
+def test_large_calls_by_vocabulary(vocab):
+    dims = {"vocab": vocab, "hidden": 64}
+    go, ids, x, r, w = PROBLEM.make_inputs(3, 2000, device="cuda", seed=vocab, dims=dims)
+    edges = torch.tensor([vocab - 1, 0, vocab // 2, vocab // 2 - 1, vocab - 1, 0, vocab // 2])
+    ids[0, :7] = edges
+    ids[2, -7:] = edges
+    expected = PROBLEM.reference(go, ids, x, r, w, vocab_size=vocab, fp32_outputs=True)
+    got = kernel(go, ids, x, r, w, vocab_size=vocab)
+    assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
+
+
+@pytest.mark.gpu
 def test_gpu_argument_errors():
     go, ids, x, r, w = PROBLEM.make_inputs(2, 64, device="cuda", seed=2)
     kernel(go, ids, x, r, w)  # a warm cache: later errors come through the C checks first
