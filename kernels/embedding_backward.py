@@ -5,8 +5,11 @@ scatter-add of dx into the [V, H] bf16 embedding-gradient table, one FFI call.
     table[v] = bf16( [table[v] +] sum over tokens t with id v of dx_t )   (fp32 sum, one rounding)
     grad_weight = sum over tokens of g_t * x_t * rstd_t
 
-Index pass (host, PyTorch): a stable sort of the ids gives the tokens grouped by id, each
-group in token order, which fixes the order of every fp32 sum: bitwise repeatable.
+Index pass: a stable sort of the ids gives the tokens grouped by id, each group in token
+order, which fixes the order of every fp32 sum: bitwise repeatable. Up to
+SORT_ON_CHIP_MAX_TOKENS tokens every row-kernel CTA sorts the raw ids in its shared memory
+(id_sort.py: no sort launches, no host work); above, PyTorch's stable sort on the host's
+stream.
 
 Id check: out-of-range ids raise and nothing is written, so the host waits for a verdict once
 a call; where it waits depends on the call's size (measured, tools/reports/087-notes.md):
@@ -38,6 +41,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import runtime
 from .column_sum import ColumnSum
+from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB, sort_ids
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
                    read_row, ring_stages, row_sum, rows_view, store_row, thread_split, vector, wide_copy)
 
@@ -75,6 +79,24 @@ class EmbeddingRmsNormBackward:
     def __call__(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
                  weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
                  grad_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
+        """The ids sorted beforehand (int32 sorted ids and their int64 order)."""
+        self.launch(grad_output, hidden_states, rstd, weight, sorted_ids, order, None, table, grad_weight,
+                    workspace, ctas, stream)
+
+    @cute.jit
+    def sort_on_chip(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
+                     weight: cute.Tensor, ids: cute.Tensor, sorted_ids: cute.Tensor, table: cute.Tensor,
+                     grad_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
+        """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32), each row-kernel
+        CTA sorting them itself; CTA 0 leaves the sorted ids in `sorted_ids` (int32, at least
+        as long) for the fix-up."""
+        published = cute.make_tensor(sorted_ids.iterator, cute.make_layout(cute.size(ids)))
+        self.launch(grad_output, hidden_states, rstd, weight, published, None, ids, table, grad_weight,
+                    workspace, ctas, stream)
+
+    @cute.jit
+    def launch(self, grad_output, hidden_states, rstd, weight, sorted_ids, order, ids, table, grad_weight,
+               workspace, ctas, stream):
         """workspace rows: [0, ctas) grad_weight partials; ctas + 2c and ctas + 2c + 1 the head
         and tail segment partials of range c; the last row's first element the id status (1.0:
         an id out of range, nothing written)."""
@@ -85,30 +107,36 @@ class EmbeddingRmsNormBackward:
                                    cute.make_layout((2 * ctas, h), stride=(row_stride, 1)))
         status = cute.make_tensor(workspace.iterator + (workspace.shape[0] - 1) * row_stride, cute.make_layout(1))
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], weight,
-                    sorted_ids, order, table, partials, carries, status).launch(
+                    sorted_ids, order, table, partials, carries, status, ids).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
         self.fixup(sorted_ids, table, carries, ctas, stream)
         self.column_sum(partials, grad_weight, stream, skip=status)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
-               m_sorted: cute.Tensor, m_order: cute.Tensor, m_table: cute.Tensor, m_part: cute.Tensor,
-               m_carry: cute.Tensor, m_status: cute.Tensor):
+               m_sorted: cute.Tensor, m_order, m_table: cute.Tensor, m_part: cute.Tensor,
+               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tidx % 32, tidx // 32
         h, vpt, threads = self.hidden, self.vectors_per_thread, self.threads
         vectors = h // VECTOR
+        smem = cutlass.memory.SmemAllocator()
+        if cutlass.const_expr(m_ids is not None):
+            # The index pass on chip: from here on the sorted ids and their order are shared
+            # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up.
+            in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, bidx == 0, tidx,
+                                                   threads)
+        else:
+            in_range = _ids_in_range(m_sorted, m_table.shape[0])
         tokens = cute.size(m_sorted)
         lo, hi = _range(bidx, tokens, ctas), _range(bidx + 1, tokens, ctas)
-        in_range = _ids_in_range(m_sorted, m_table.shape[0])
         if bidx == 0 and tidx == 0:
             m_status[0] = Float32(1 - in_range)
         if in_range == 0:
             hi = lo  # no rows, so no table writes (partials go to the workspace only)
 
-        smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
         loads = (wide_copy(BFloat16), wide_copy(Float32))
         weight, grad_weight, g, xs, segment, old = (cute.make_rmem_tensor((VECTOR, vpt), Float32)
@@ -312,26 +340,32 @@ class SegmentFixup:
                 cute.copy(bf16, out, vector(row, v))
 
 
-def _fake_args(hidden: int):
+def _fake_args(hidden: int, ids_dtype=None):
     """Compile-time stand-ins. batch/seq shared by the [b, s, ...] tensors, tokens by the
-    sorted ids and their order, vocabulary and workspace rows free; H static."""
+    sorted ids and their order (or, with `ids_dtype`, by the raw ids; the sorted-ids buffer is
+    then any length), vocabulary and workspace rows free; H static."""
     batch, seq, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     vocab, workspace_rows = cute.sym_int32(), cute.sym_int32()
     rstd = fake_rstd(batch, seq)
     weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
-    sorted_ids = runtime.fake_tensor(Int32, (tokens,), (1,), 4)
-    order = runtime.fake_tensor(Int64, (tokens,), (1,), 8)
+    sorted_ids = runtime.fake_tensor(Int32, (tokens if ids_dtype is None else cute.sym_int32(),), (1,), 4)
+    if ids_dtype is None:
+        ids_or_order = (sorted_ids, runtime.fake_tensor(Int64, (tokens,), (1,), 8))
+    else:
+        ids_or_order = (runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8), sorted_ids)
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
-    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, weight, sorted_ids,
-            order, table, weight, workspace, Int32(1))
+    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, weight,
+            *ids_or_order, table, weight, workspace, Int32(1))
 
 
-def _build(hidden: int, accumulate: bool, arch: str, dump_dir=None):
-    """The kernels read the sorted ids as int32 whatever the input's id dtype (see the call)."""
+def _build(hidden: int, accumulate: bool, arch: str, dump_dir=None, ids_dtype=None):
+    """Without `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's
+    id dtype (see the call); with it (Int64 or Int32) the raw ids, sorted on chip."""
+    op = EmbeddingRmsNormBackward(hidden, accumulate)
     return runtime.compile_kernel(
-        ("embedding_rmsnorm_backward", hidden, accumulate),
-        EmbeddingRmsNormBackward(hidden, accumulate), *_fake_args(hidden), runtime.env_stream(),
+        ("embedding_rmsnorm_backward", hidden, accumulate, str(ids_dtype)),
+        op if ids_dtype is None else op.sort_on_chip, *_fake_args(hidden, ids_dtype), runtime.env_stream(),
         arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
@@ -381,14 +415,18 @@ class _Entry:
 
         self.device = device
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-        self.run = runtime.ffi_function(_build(hidden, accumulate, runtime.device_arch(device.index)))
+        arch = runtime.device_arch(device.index)
+        self.run = runtime.ffi_function(_build(hidden, accumulate, arch))
+        self.run_sort_on_chip = runtime.ffi_function(
+            _build(hidden, accumulate, arch, ids_dtype=Int64 if ids_dtype == torch.int64 else Int32))
         # grad_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device, ids_dtype)
 
 
 class _Workspace(runtime.StreamWorkspace):
     """Per stream: the workspace, a view of its id status element, a pinned [smallest, largest]
-    id buffer and the event that says that has arrived."""
+    id buffer, the event that says that has arrived, and where on-chip sorts leave the sorted
+    ids for the fix-up."""
 
     def __init__(self, rows: int, cols: int, device, ids_dtype):
         super().__init__(rows, cols, device)
@@ -398,7 +436,8 @@ class _Workspace(runtime.StreamWorkspace):
         import torch
 
         buffer = super()._new()
-        return buffer, buffer[-1, 0], torch.empty(2, dtype=self.ids_dtype, pin_memory=True), torch.cuda.Event()
+        return (buffer, buffer[-1, 0], torch.empty(2, dtype=self.ids_dtype, pin_memory=True), torch.cuda.Event(),
+                torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device))
 
 
 def _id_range(ids):
@@ -449,9 +488,10 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     once: bitwise repeatable. Ids outside [0, vocab_size) raise ValueError and nothing is
     written.
 
-    The index pass is PyTorch's stable sort of the ids. The id check makes the host wait once
-    a call: up to DEVICE_CHECK_MAX_TOKENS tokens for the kernels' verdict at the end, above
-    for the ids' range while the sort runs (module docstring).
+    The index pass: up to SORT_ON_CHIP_MAX_TOKENS tokens (vocabularies up to
+    SORT_ON_CHIP_MAX_VOCAB) in the row kernel, above that PyTorch's stable sort. The id check
+    makes the host wait once a call: up to DEVICE_CHECK_MAX_TOKENS tokens for the kernels'
+    verdict at the end, above for the ids' range while the sort runs (module docstring).
     """
     import torch
 
@@ -482,13 +522,14 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         grad_weight.zero_()
         return out
     ids = input_ids.reshape(tokens)
-    workspace, status, id_range, range_ready = entry.workspace.get()
-    # The sort's keys are int32: half the radix passes of int64 keys.
+    workspace, status, id_range, range_ready, sorted_on_chip = entry.workspace.get()
     verdict_after = tokens <= DEVICE_CHECK_MAX_TOKENS
+    on_chip = tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB
     if verdict_after:
-        # Clamped before the cast so an int64 id cannot wrap into range for the kernels' check.
-        keys = ids if ids.dtype == torch.int32 else ids.clamp(-1, vocab_size).to(torch.int32)
-        sorted_ids, order = torch.sort(keys, stable=True)
+        if not on_chip:
+            # Clamped before the cast so an int64 id cannot wrap into range for the kernels' check.
+            keys = ids if ids.dtype == torch.int32 else ids.clamp(-1, vocab_size).to(torch.int32)
+            sorted_ids, order = torch.sort(keys, stable=True)
         if zero_fill:  # the fill must not run for bad ids: here the host waits before it
             _raise_if_out_of_range(*_id_range(ids), vocab_size)
     else:
@@ -502,8 +543,12 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     if zero_fill:
         table.zero_()
     try:
-        entry.run(grad_output, hidden_states, rstd, weight, sorted_ids, order, table, grad_weight,
-                  workspace, min(tokens, entry.max_ctas))
+        if on_chip:
+            entry.run_sort_on_chip(grad_output, hidden_states, rstd, weight, ids, sorted_on_chip, table, grad_weight,
+                                   workspace, min(tokens, entry.max_ctas))
+        else:
+            entry.run(grad_output, hidden_states, rstd, weight, sorted_ids, order, table, grad_weight,
+                      workspace, min(tokens, entry.max_ctas))
     except Exception:
         _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
         raise
@@ -518,6 +563,8 @@ AUDIT_BUILDS = {
         (lambda arch, dump_dir, acc=acc: _build(4096, acc, arch, dump_dir))
     for acc in (False, True)
 }
+AUDIT_BUILDS["embedding_rmsnorm_backward[H=4096,accumulate,ids sorted on chip]"] = \
+    lambda arch, dump_dir: _build(4096, True, arch, dump_dir, ids_dtype=Int64)
 # 128-bit loads of hidden_states, weight and the partials; no spills; no atomics (every sum
 # has a fixed order).
 AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}

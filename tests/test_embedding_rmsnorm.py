@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cutebwd import embedding_rmsnorm_backward as kernel
-from cutebwd.kernels.embedding_backward import DEVICE_CHECK_MAX_TOKENS
+from cutebwd.kernels.embedding_backward import DEVICE_CHECK_MAX_TOKENS, SORT_ON_CHIP_MAX_TOKENS
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import WORKLOADS
 from cutebwd.tools.parity import assert_parity, check_problem
@@ -109,6 +109,26 @@ def test_large_calls_by_vocabulary(vocab):
     expected = PROBLEM.reference(go, ids, x, r, w, vocab_size=vocab, fp32_outputs=True)
     got = kernel(go, ids, x, r, w, vocab_size=vocab)
     assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
+
+
+@pytest.mark.gpu
+# Up to SORT_ON_CHIP_MAX_TOKENS each CTA sorts the ids itself: one token, the most tokens, int32
+# and int64 ids, ids at both ends of the vocabulary, one id everywhere; bitwise repeatable.
+@pytest.mark.parametrize("tokens,ids_dtype,same_ids", [(1, torch.int64, False),
+                                                        (SORT_ON_CHIP_MAX_TOKENS, torch.int32, False),
+                                                        (SORT_ON_CHIP_MAX_TOKENS, torch.int64, True),
+                                                        (300, torch.int64, False)])
+def test_ids_sorted_on_chip(tokens, ids_dtype, same_ids):
+    dims = {"vocab": 5000, "hidden": 256}
+    go, ids, x, r, w = PROBLEM.make_inputs(1, tokens, device="cuda", seed=tokens, dims=dims, ids_dtype=ids_dtype,
+                                           same_ids=same_ids)
+    if not same_ids and tokens > 8:
+        ids[0, :6] = torch.tensor([4999, 0, 4999, 17, 0, 17], dtype=ids_dtype)
+    expected = PROBLEM.reference(go, ids, x, r, w, vocab_size=5000, fp32_outputs=True)
+    got = kernel(go, ids, x, r, w, vocab_size=5000)
+    assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
+    again = kernel(go, ids, x, r, w, vocab_size=5000)
+    assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
 
 
 @pytest.mark.gpu
