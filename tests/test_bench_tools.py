@@ -19,6 +19,20 @@ def test_table_shows_host_time_where_measured():
     assert "host us" in table and "12.5" in table
 
 
+def test_087_functional_path_against_zero_fill_plus_accumulate():
+    def row(impl, ms, seq=128, options=None):
+        return {"problem": "embedding_rmsnorm_backward", "seq_len": seq, "batch_size": 1, "options": options or {},
+                "impl": impl, "ms": ms, "graph_ms": None, "host_us": None, "sol_ms": 0.1, "sol_fraction": 0.5,
+                "parity_ok": True}
+    rows = [row("cutebwd", 0.21), row("zero-fill", 0.15), row("cutebwd acc", 0.05),
+            row("cutebwd", 0.5, 4096), row("zero-fill", 0.15, 4096), row("cutebwd acc", 0.25, 4096),
+            row("cutebwd", 0.3, 64, {"same_ids": True})]  # no baseline for this case: left out
+    ratios = dict(((seq, batch), ratio) for (seq, batch, _), ratio in bench.functional_ratios(rows))
+    assert ratios == {(128, 1): 0.21 / 0.2, (4096, 1): 0.5 / 0.4}
+    table = bench.format_tables(rows, bench.summarize(rows))
+    assert "bar <= 1.1: worst 1.250 (NOT met)" in table
+
+
 def test_gemm_bench_covers_the_issue_products():
     from cutebwd.tools import bench_gemm
 

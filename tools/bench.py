@@ -163,6 +163,16 @@ def _liger_013(problem):
     return run
 
 
+# Timings that are not implementations (nothing to check), for bars stated against them:
+# issue 4 holds 087's functional path to <= 1.1 x (the table's zero-fill alone + the accumulate
+# path). name -> (factory(problem) -> fn(*inputs), bytes(problem) it moves).
+BASELINES = {"embedding_rmsnorm_backward": {"zero-fill": (
+    lambda problem: lambda *inputs: torch.zeros(problem.dims["vocab"], problem.dims["hidden"],
+                                                dtype=torch.bfloat16, device="cuda"),
+    lambda problem: 2 * problem.dims["vocab"] * problem.dims["hidden"])}}
+FUNCTIONAL_BAR = ("embedding_rmsnorm_backward", "cutebwd", "zero-fill", "cutebwd acc", 1.1)
+
+
 def _input_bytes(inputs) -> int:
     return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
 
@@ -211,6 +221,14 @@ def bench_case(problem, seq, batch, options, impls, ceilings, seed, log):
             f"  parity {'ok' if row['parity_ok'] else 'FAIL'}  ({time.perf_counter() - start:.1f} s)")
         if not row["parity_ok"]:
             log("\n".join("    " + line for line in row["parity"]))
+    for name, (factory, moved) in BASELINES.get(problem.name, {}).items():
+        ms, nbytes = timing.time_ms(factory(problem), arg_sets), moved(problem)
+        sol_ms = 1e3 * sol_seconds((nbytes, 0), *ceilings)
+        rows.append({"problem": problem.name, "seq_len": seq, "batch_size": batch, "options": options,
+                     "impl": name, "ms": ms, "graph_ms": None, "host_us": None, "sol_ms": sol_ms,
+                     "sol_fraction": sol_ms / ms, "bytes": nbytes, "flops": 0, "parity_ok": True,
+                     "parity": ["a baseline, not an implementation: nothing to check"]})
+        log(f"  {name:<14} {ms:9.4f} ms  (baseline)")
     del arg_sets, inputs, expected
     torch.cuda.empty_cache()
     return rows
@@ -232,6 +250,17 @@ def summarize(rows):
             for (p, i), e in summary.items()]
 
 
+def functional_ratios(rows):
+    """Per workload, FUNCTIONAL_BAR's path over (baseline + the other path): [(case, ratio)]."""
+    problem, path, baseline, other, _ = FUNCTIONAL_BAR
+    ms = {(r["seq_len"], r["batch_size"], tuple(sorted(r["options"].items())), r["impl"]): r["ms"]
+          for r in rows if r["problem"] == problem}
+    return [((seq, batch, dict(options)), ms[seq, batch, options, path] / (ms[seq, batch, options, baseline]
+                                                                          + ms[seq, batch, options, other]))
+            for (seq, batch, options, impl) in ms
+            if impl == path and (seq, batch, options, baseline) in ms and (seq, batch, options, other) in ms]
+
+
 def format_tables(rows, summary) -> str:
     lines = [f"{'problem':<32} {'seq x batch':>12} {'impl':<14} {'ms':>9} {'graph ms':>9} {'host us':>8} "
              f"{'SOL ms':>9} {'of SOL':>7} parity"]
@@ -246,6 +275,14 @@ def format_tables(rows, summary) -> str:
     for s in summary:
         lines.append(f"{s['problem']:<32} {s['impl']:<14} {s['mean_ms']:9.4f} {s['mean_sol_ms']:12.4f} "
                      f"{s['mean_sol_ms'] / s['mean_ms']:9.1%} {'ok' if s['parity_ok'] else 'FAIL'}")
+    ratios = functional_ratios(rows)
+    if ratios:
+        problem, path, baseline, other, bar = FUNCTIONAL_BAR
+        worst = max(ratio for _, ratio in ratios)
+        cases = ", ".join(f"{seq}x{batch}{'*' if options else ''} {ratio:.2f}"
+                          for (seq, batch, options), ratio in ratios)
+        lines += ["", f"{problem} '{path}' / ('{baseline}' + '{other}'), bar <= {bar}: worst {worst:.3f} "
+                  f"({'met' if worst <= bar else 'NOT met'}); {cases}"]
     return "\n".join(lines)
 
 
@@ -277,7 +314,9 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "copy_bandwidth": bandwidth, "matmul_rate": rate,
-              "rows": rows, "summary": summary}
+              "rows": rows, "summary": summary,
+              "functional_ratios": [{"seq_len": seq, "batch_size": batch, "options": options, "ratio": ratio}
+                                    for (seq, batch, options), ratio in functional_ratios(rows)]}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{result['gpu']}, {result['date']}: copy {bandwidth / 1e12:.3f} TB/s, "
