@@ -29,11 +29,6 @@ from .rows import VECTOR, wide_copy  # a partial tile moves VECTOR fp32 accumula
 C_DTYPES = {"bfloat16": BFloat16, "float32": Float32}
 
 
-def with_unit_batch(t):
-    """[X, Y] -> [X, Y, 1]: TMA partitioning works on (x, y, batch)."""
-    return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
-
-
 def batch_last(t, matrix_rank: int = 2):
     """A tensor with its batch modes last, as one mode: [X, Y] -> [X, Y, 1] (unbatched), and
     torch's [L1, L2, X, Y] -> [X, Y, (L2, L1)] (a batch of L1 * L2 products, index l = l2 + L2 *
@@ -480,15 +475,22 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
     arch = _device_arch(a.device)
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
     group_n = n // rows.shape[1] if epilogue.row_sums else inputs[0].shape[1] if epilogue.tables else None
-    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n)
-    if group_n and chosen.tile_n != group_n:
-        raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
-                         f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")
+    chosen = choose_tiling(tiling, m, n, k, arch, epilogue, group_n)
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue.name, rows, epilogue.alpha, inputs)] = _Call(
         *_kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, epilogue), chosen, m, n, k, a.device,
         stream_k, getattr(torch, c_dtype))
     return call
+
+
+def choose_tiling(tiling, m: int, n: int, k: int, arch: str, epilogue: Epilogue, group_n) -> GemmTiling:
+    """The tiling asked for, or the default one; an epilogue that works per column group (row
+    sums, tables: `group_n` columns) needs tiles exactly one group wide."""
+    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n)
+    if group_n and chosen.tile_n != group_n:
+        raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
+                         f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")
+    return chosen
 
 
 ADD_NEEDS_OUT = "out: the 'add' epilogue adds into it, so it must be given"
@@ -574,18 +576,25 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     if out is None:
         out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
     results = (out, out2) if epilogue == "dswiglu" else (out, rows) if epilogue == "row_dot" else out
-    if m == 0 or n == 0:
-        return results
-    if k == 0:
+    if m and n:
+        run_call(call, a, b, out, epilogue, inputs, out2, rows, alpha,
+                 lambda: _check_call(a, b, out, c_dtype, _epilogue_kind(epilogue, alpha), inputs, out2, rows))
+    return results
+
+
+def run_call(call, a, b, out, epilogue: str, inputs, out2, rows, alpha, explain):
+    """A resolved call's launch, or at K = 0 (a's last extent) the epilogue of a zero
+    accumulator without one; when the C-side checks reject an argument, `explain()` says which
+    and why in our words before the error goes on."""
+    if a.shape[-1] == 0:
         _empty_k(epilogue, out, out2, inputs, rows, alpha)
-        return results
+        return
     try:
         call.run(a, b, out, *(call.fixed_args or (*call.workspace.get(), *call.schedule)),
                  *epilogue_arguments(epilogue, out, inputs, out2, rows))
-    except Exception:  # say which argument and why, in our words
-        _check_call(a, b, out, c_dtype, _epilogue_kind(epilogue, alpha), inputs, out2, rows)
+    except Exception:
+        explain()
         raise
-    return results
 
 
 def epilogue_arguments(epilogue: str, out, inputs, out2, rows):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import types
 
-from ..layouts.gemm import GemmTiling, default_tiling
-from .gemm import (ADD_NEEDS_OUT, _Call, _check_call, _device_arch, _empty_k, _epilogue_key, _epilogue_kind, _kernel,
-                   epilogue_arguments)
+from ..layouts.gemm import GemmTiling
+from .gemm import (ADD_NEEDS_OUT, _Call, _check_call, _device_arch, _epilogue_key, _epilogue_kind, _kernel, choose_tiling,
+                   run_call)
 
 # (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue) -> _Call
 _calls: dict = {}
@@ -56,17 +56,9 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
         out2_4 = torch.empty((l1, l2, m, n), dtype=torch.bfloat16, device=call.device)
         out2 = out2_4.view(*a.shape[:-2], m, n)
     results = (out, out2) if epilogue == "dswiglu" else out
-    if l1 * l2 * m * n == 0:
-        return results
-    if k == 0:
-        _empty_k(epilogue, out4, out2_4, inputs4, rows4, alpha)
-        return results
-    try:
-        call.run(a4, b4, out4, *(call.fixed_args or (*call.workspace.get(), *call.schedule)),
-                 *epilogue_arguments(epilogue, out4, inputs4, out2_4, rows4))
-    except Exception:
-        _check_batch(a4, b4, out4, c_dtype, epilogue, inputs4, out2_4, rows4, alpha)  # say which argument and why
-        raise
+    if l1 * l2 * m * n:
+        run_call(call, a4, b4, out4, epilogue, inputs4, out2_4, rows4, alpha,
+                 lambda: _check_batch(a4, b4, out4, c_dtype, epilogue, inputs4, out2_4, rows4, alpha))
     return results
 
 
@@ -90,11 +82,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
     n = b.shape[2]
     arch = _device_arch(a.device)
     a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
-    group_n = inputs[0].shape[-1] if kind.tables else None
-    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(kind.inputs), group_n=group_n)
-    if group_n and chosen.tile_n != group_n:
-        raise ValueError(f"tiling {chosen.spec}: the {epilogue!r} epilogue works per tile, so tile_n must be the "
-                         f"tables' width {group_n}")
+    chosen = choose_tiling(tiling, m, n, k, arch, kind, inputs[0].shape[-1] if kind.tables else None)
     run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=True)
     call = _calls[a.shape[0] * a.shape[1], m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue, rows, alpha, inputs)] = _Call(

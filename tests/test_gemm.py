@@ -268,6 +268,30 @@ def test_calls_without_stream_k_pass_one_fixed_workspace():
                for args in seen)
 
 
+def test_run_call_zero_k_and_rejected_calls():
+    """The launch step matmul_nt and matmul_nt_batched share, on the CPU with a stand-in call:
+    K = 0 writes the epilogue of a zero accumulator and launches nothing; a launch the C-side
+    checks reject is explained, then its error goes on."""
+    import types
+
+    from cutebwd.kernels import gemm
+
+    launches, explained = [], []
+    call = types.SimpleNamespace(run=lambda *args: launches.append(args), fixed_args=(None,) * 5)
+    out = torch.ones(4, 6)
+    gemm.run_call(call, torch.zeros(4, 0), torch.zeros(6, 0), out, "store", (), None, None, 1.0,
+                  lambda: explained.append(1))
+    assert not launches and not explained and bool((out == 0).all())
+
+    def rejected(*args):
+        raise TypeError("rejected in C")
+    call.run = rejected
+    with pytest.raises(TypeError, match="rejected in C"):
+        gemm.run_call(call, torch.zeros(4, 8), torch.zeros(6, 8), out, "store", (), None, None, 1.0,
+                      lambda: explained.append(1))
+    assert explained == [1]
+
+
 def test_stream_k_stays_off_on_short_k_unless_forced():
     """Ragged waves go stream-K from MIN_K_TILES k-tiles up (below, the partial-tile hand-over
     costs more than the balance gains); stream_k=True still forces it."""
