@@ -22,9 +22,9 @@ a call; where it waits depends on the call's size (measured, tools/reports/087-n
   a call at 32K tokens).
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
-walks its range one token row at a time (row in registers, as in 013), adds dx into a running
-fp32 segment sum, and writes a table row when a segment (one id) ends: read-add-round with
-accumulate, plain round without. A segment cut by a range boundary leaves fp32 partial rows
+walks its range one token row at a time (rows through a cp.async ring where they fit, as in
+013), adds dx into a running fp32 segment sum, and writes a table row when a segment (one id)
+ends: read-add-round with accumulate, plain round without. A segment cut by a range boundary leaves fp32 partial rows
 instead (the tail of the range where it starts, the head of every later range it covers);
 `SegmentFixup` then adds those partials in range order and writes the row once. So one id
 shared by every token (the worst case) spreads over all CTAs like random ids do, and its
@@ -194,11 +194,12 @@ class EmbeddingRmsNormBackward:
                     store_row(loads[1], segment, m_carry[2 * bidx, None], tidx, threads, vpt, vectors)
                     head = Int32(0)
                 else:
-                    old_row = m_table[Int32(vid), None]
+                    row = m_table[Int32(vid), None]
+                    old_row = row
                     if cutlass.const_expr(ring > 0 and self.accumulate):
-                        old_row = rows_ring[2][None, (p - lo) % ring]
-                    _write_table_row(self.accumulate, loads[0], segment, old, m_table[Int32(vid), None],
-                                     tidx, threads, vpt, vectors, old_row)
+                        old_row = rows_ring[2][None, slot]
+                    _write_table_row(self.accumulate, loads[0], segment, old, row, tidx, threads, vpt, vectors,
+                                     old_row)
                 segment.fill(0.0)
             if cutlass.const_expr(ring > 0):
                 # The slot refilled here held position p - 1, which this thread has already read.
