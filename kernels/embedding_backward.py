@@ -24,12 +24,12 @@ a call; where it waits depends on the call's size (measured, tools/reports/087-n
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
 013), adds dx into a running fp32 segment sum, and writes a table row when a segment (one id)
-ends: read-add-round with accumulate, plain round without. A segment cut by a range boundary leaves fp32 partial rows
-instead (the tail of the range where it starts, the head of every later range it covers);
-`SegmentFixup` then adds those partials in range order and writes the row once. So one id
-shared by every token (the worst case) spreads over all CTAs like random ids do, and its
-partials are summed by many CTAs, split over columns. grad_weight: per-CTA fp32 partials and
-the fixed-order `ColumnSum`, no float atomics anywhere.
+ends: read-add-round with accumulate, plain round without. A segment cut by a range boundary
+leaves fp32 partial rows instead (the tail of the range where it starts, the head of every
+later range it covers); `SegmentFixup` then adds those partials in range order and writes the
+row once. So one id shared by every token (the worst case) spreads over all CTAs like random
+ids do, and its partials are summed by many CTAs, split over columns. grad_weight: per-CTA
+fp32 partials and the fixed-order `ColumnSum`, no float atomics anywhere.
 """
 from __future__ import annotations
 
