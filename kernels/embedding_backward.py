@@ -304,16 +304,23 @@ class SegmentFixup:
                         owns = Int32(0)  # it started in an earlier range, whose CTA owns it
         if owns == 1:
             vid = m_sorted[hi - 1]
-            # The segment's last position: binary search for the first id above vid in [hi, T).
-            left, right = hi, tokens
-            for _ in cutlass.range_constexpr(32):
-                if left < right:
-                    mid = (left + right) // 2
-                    if m_sorted[mid] > vid:
-                        right = mid
-                    else:
-                        left = mid + 1
-            last_range = Int32((Int64(left) * Int64(ctas) + Int64(tokens) - 1) // Int64(tokens)) - 1
+            # The last range the segment reaches. Random ids make short segments, which end in
+            # the next range: one load says so. Only a segment that runs past it (one id on
+            # many tokens) pays the binary search for the first id above vid, ~log2(T)
+            # dependent loads that every owning CTA used to pay.
+            last_range = a + 1
+            next_hi = _range(a + 2, tokens, ctas)
+            if next_hi < tokens:
+                if m_sorted[next_hi] == vid:
+                    left, right = next_hi, tokens
+                    for _ in cutlass.range_constexpr(32):
+                        if left < right:
+                            mid = (left + right) // 2
+                            if m_sorted[mid] > vid:
+                                right = mid
+                            else:
+                                left = mid + 1
+                    last_range = Int32((Int64(left) * Int64(ctas) + Int64(tokens) - 1) // Int64(tokens)) - 1
             acc = cute.make_rmem_tensor((VECTOR,), Float32)
             staging = cute.make_rmem_tensor((VECTOR,), Float32)
             acc.fill(0.0)
