@@ -520,11 +520,16 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     if out is None:
         out = (torch.zeros((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device),
                torch.empty(hidden, dtype=torch.float32, device=entry.device))
-    else:
+    elif not (accumulate and type(out) is tuple and len(out) == 2 and isinstance(out[0], torch.Tensor)
+              and out[0].shape[:1] == (vocab_size,)):
+        # An accumulate call writes nothing before the FFI call, which checks dtypes, shapes,
+        # strides, alignment and device itself (the table's row count is ours to check): there
+        # the Python checks run only to explain a rejected call.
         out = _check_out(out, hidden_states, vocab_size)
     table, grad_weight = out
     if tokens == 0 or tokens >= 2**31:
         _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
+        _check_out(out, hidden_states, vocab_size)
         if not accumulate:
             table.zero_()
         grad_weight.zero_()
@@ -558,7 +563,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
             entry.run(grad_output, hidden_states, rstd, weight, sorted_ids, order, table, grad_weight,
                       workspace, min(tokens, entry.max_ctas))
     except Exception:
+        # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
+        _check_out(out, hidden_states, vocab_size)
         raise
     # The kernels' verdict, unless the host already checked the range before the fill.
     if verdict_after and not zero_fill and status.item():  # an id out of range: nothing written

@@ -141,3 +141,12 @@ def test_gpu_argument_errors():
         kernel(go, ids, x[:, :3], r, w)
     with pytest.raises(ValueError, match=r"out\[grad_embedding\]: expected shape"):
         kernel(go, ids, x, r, w, out=(torch.empty(100, 4096, dtype=torch.bfloat16, device="cuda"), w.clone()))
+    # accumulate skips the Python checks of out= until the C-side checks reject something
+    table = torch.zeros(65536, 4096, dtype=torch.bfloat16, device="cuda")
+    kernel(go, ids, x, r, w, out=(table, w.clone()), accumulate=True)
+    with pytest.raises(TypeError, match=r"out\[grad_embedding\]: expected dtype bfloat16"):
+        kernel(go, ids, x, r, w, out=(table.float(), w.clone()), accumulate=True)
+    with pytest.raises(TypeError, match=r"out\[grad_weight\]: expected dtype float32"):
+        kernel(go, ids, x, r, w, out=(table, w.bfloat16()), accumulate=True)
+    with pytest.raises(ValueError, match=r"out\[grad_embedding\]: expected shape"):
+        kernel(go, ids, x, r, w, out=(table[:100], w.clone()), accumulate=True)
