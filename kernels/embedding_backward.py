@@ -16,10 +16,11 @@ a call; where it waits depends on the call's size (measured, tools/reports/087-n
 - small calls, host-bound: every kernel reads the sorted ends and, with an id outside
   [0, vocab), writes neither the table nor grad_weight; the row kernel's CTA 0 leaves that
   verdict in a status word, read back once the launches are done;
-- large calls, GPU-bound: the ids' smallest and largest go to a pinned buffer first, the sort
-  is queued behind them, and the host waits for the range only, so the GPU sorts while the
-  host checks and issues the launches (waiting for the sort instead left the GPU idle ~126 us
-  a call at 32K tokens).
+- large calls, GPU-bound: one kernel (id_sort.RangeAndKeys) reads the ids for each CTA's
+  smallest and largest and for int16 sort keys; the ranges go to a pinned buffer, the sort is
+  queued behind them, and the host waits for the ranges only, so the GPU sorts while the host
+  checks and issues the launches (waiting for the sort instead left the GPU idle ~126 us a
+  call at 32K tokens). Vocabularies above 65536 ids: aminmax and int32 keys instead.
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
@@ -41,7 +42,8 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import runtime
 from .column_sum import ColumnSum
-from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB, sort_ids
+from .id_sort import KEY_SHIFT, KEYS_MAX_VOCAB, RangeAndKeys, build_range_and_keys, sort_ids
+from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
                    read_row, ring_stages, row_sum, rows_view, store_row, thread_split, vector, wide_copy)
 
@@ -424,27 +426,26 @@ class _Entry:
         self.device = device
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         arch = runtime.device_arch(device.index)
+        ids = Int64 if ids_dtype == torch.int64 else Int32
         self.run = runtime.ffi_function(_build(hidden, accumulate, arch))
-        self.run_sort_on_chip = runtime.ffi_function(
-            _build(hidden, accumulate, arch, ids_dtype=Int64 if ids_dtype == torch.int64 else Int32))
+        self.run_sort_on_chip = runtime.ffi_function(_build(hidden, accumulate, arch, ids_dtype=ids))
+        self.run_range_and_keys = runtime.ffi_function(build_range_and_keys(ids, arch))
         # grad_weight partials, two segment partials per range, the id status
-        self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device, ids_dtype)
+        self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)
 
 
 class _Workspace(runtime.StreamWorkspace):
-    """Per stream: the workspace, a view of its id status element, a pinned [smallest, largest]
-    id buffer, the event that says that has arrived, and where on-chip sorts leave the sorted
-    ids for the fix-up."""
-
-    def __init__(self, rows: int, cols: int, device, ids_dtype):
-        super().__init__(rows, cols, device)
-        self.ids_dtype = ids_dtype
+    """Per stream: the workspace, a view of its id status element, the per-CTA id ranges on the
+    device and in pinned memory, the event that says they have arrived, and where on-chip sorts
+    leave the sorted ids for the fix-up."""
 
     def _new(self):
         import torch
 
         buffer = super()._new()
-        return (buffer, buffer[-1, 0], torch.empty(2, dtype=self.ids_dtype, pin_memory=True), torch.cuda.Event(),
+        ranges = (RangeAndKeys.CTAS, 2)
+        return (buffer, buffer[-1, 0], torch.empty(ranges, dtype=torch.int64, device=self.device),
+                torch.empty(ranges, dtype=torch.int64, pin_memory=True), torch.cuda.Event(),
                 torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device))
 
 
@@ -452,23 +453,6 @@ def _id_range(ids):
     import torch
 
     return torch.stack(torch.aminmax(ids)).tolist()
-
-
-def _sort_narrow(ids, vocab_size):
-    """(sorted ids as int32, order): a stable sort on the narrowest keys that hold every id of
-    the vocabulary. int16 up to 65536 ids (shifted by -32768 past 32768): two radix passes
-    instead of int32's four, 31 against 40 us of GPU time at 32K tokens (session 10), the
-    shift and the casts included. Up to 4096 ids PyTorch sorts in one block instead (no radix
-    passes to save): int32 there. Meaningful only for ids already known to be in range."""
-    import torch
-
-    if vocab_size > 2**16 or ids.numel() <= 4096:
-        return torch.sort(ids.to(torch.int32), stable=True)
-    shift = 2**15 if vocab_size > 2**15 else 0
-    keys = (ids - shift if shift else ids).to(torch.int16)
-    sorted_keys, order = torch.sort(keys, stable=True)
-    sorted_ids = sorted_keys.to(torch.int32)
-    return (sorted_ids.add_(shift) if shift else sorted_ids), order
 
 
 def _raise_if_out_of_range(smallest, largest, vocab_size):
@@ -535,7 +519,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         grad_weight.zero_()
         return out
     ids = input_ids.reshape(tokens)
-    workspace, status, id_range, range_ready, sorted_on_chip = entry.workspace.get()
+    workspace, status, ranges, cta_ranges, range_ready, sorted_on_chip = entry.workspace.get()
     verdict_after = tokens <= DEVICE_CHECK_MAX_TOKENS
     on_chip = tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB
     if verdict_after:
@@ -545,14 +529,26 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
             sorted_ids, order = torch.sort(keys, stable=True)
         if zero_fill:  # the fill must not run for bad ids: here the host waits before it
             _raise_if_out_of_range(*_id_range(ids), vocab_size)
-    else:
-        id_range.copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
+    elif vocab_size <= KEYS_MAX_VOCAB:
+        # One kernel reads the ids once for their range (per CTA) and int16 sort keys; the
+        # range goes to pinned memory and the sort is queued before the host waits for it, so
+        # the GPU sorts meanwhile. int16 keys: two radix passes instead of int32's four. The
+        # keys are exact whenever the range check passes, and the sorted ids are used only then.
+        keys = ids.new_empty(tokens, dtype=torch.int16)
+        entry.run_range_and_keys(ids, keys, ranges)
+        cta_ranges.copy_(ranges, non_blocking=True)
         range_ready.record()
-        # Queued before the host waits for the range: the GPU sorts meanwhile. The narrowed keys
-        # are exact whenever the check passes, and the sorted ids are used only then.
-        sorted_ids, order = _sort_narrow(ids, vocab_size)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        sorted_ids = sorted_keys.to(torch.int32).add_(KEY_SHIFT)
         range_ready.synchronize()
-        _raise_if_out_of_range(*id_range.tolist(), vocab_size)
+        lows, highs = zip(*cta_ranges.tolist())
+        _raise_if_out_of_range(min(lows), max(highs), vocab_size)
+    else:
+        cta_ranges[0].copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
+        range_ready.record()
+        sorted_ids, order = torch.sort(ids.to(torch.int32), stable=True)  # exact once the range passes
+        range_ready.synchronize()
+        _raise_if_out_of_range(*cta_ranges[0].tolist(), vocab_size)
     if zero_fill:
         table.zero_()
     try:
