@@ -17,10 +17,12 @@ a call; where it waits depends on the call's size (measured, tools/reports/087-n
   [0, vocab), writes neither the table nor grad_weight; the row kernel's CTA 0 leaves that
   verdict in a status word, read back once the launches are done;
 - large calls, GPU-bound: one kernel (id_sort.RangeAndKeys) reads the ids for each CTA's
-  smallest and largest and for int16 sort keys; the ranges go to a pinned buffer, the sort is
-  queued behind them, and the host waits for the ranges only, so the GPU sorts while the host
-  checks and issues the launches (waiting for the sort instead left the GPU idle ~126 us a
-  call at 32K tokens). Vocabularies above 65536 ids: aminmax and int32 keys instead.
+  smallest and largest and for int16 sort keys; the ranges go to a pinned buffer. The sorted
+  keys are widened to int32 ids by a kernel that also poisons the first sorted id when a
+  range is bad, so every kernel sees the verdict; the host queues all launches and only then
+  waits for the ranges (waiting before the launches left the GPU idle ~25 us a call at 32K
+  tokens; waiting for the sort, ~126 us). Vocabularies above 65536 ids: aminmax and int32
+  keys, and the host waits for the range before the launches.
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
@@ -42,7 +44,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import runtime
 from .column_sum import ColumnSum
-from .id_sort import KEY_SHIFT, KEYS_MAX_VOCAB, RangeAndKeys, build_range_and_keys, sort_ids
+from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys, sort_ids
 from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
                    read_row, ring_stages, row_sum, rows_view, store_row, thread_split, vector, wide_copy)
@@ -430,6 +432,7 @@ class _Entry:
         self.run = runtime.ffi_function(_build(hidden, accumulate, arch))
         self.run_sort_on_chip = runtime.ffi_function(_build(hidden, accumulate, arch, ids_dtype=ids))
         self.run_range_and_keys = runtime.ffi_function(build_range_and_keys(ids, arch))
+        self.run_widen_keys = runtime.ffi_function(build_widen_keys(arch))
         # grad_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)
 
@@ -459,6 +462,13 @@ def _raise_if_out_of_range(smallest, largest, vocab_size):
     if smallest < 0 or largest >= vocab_size:
         raise ValueError(f"input_ids: every id must lie in [0, {vocab_size}), got ids from {smallest} to {largest}"
                          " (nothing was written)")
+
+
+def _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size):
+    """Waits for RangeAndKeys's per-CTA ranges to reach pinned memory, then checks them."""
+    range_ready.synchronize()
+    lows, highs = zip(*cta_ranges.tolist())
+    _raise_if_out_of_range(min(lows), max(highs), vocab_size)
 
 
 _entries: dict = {}
@@ -519,6 +529,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         grad_weight.zero_()
         return out
     ids = input_ids.reshape(tokens)
+    range_after = False  # the host reads the ids' range from pinned memory after the launches
     workspace, status, ranges, cta_ranges, range_ready, sorted_on_chip = entry.workspace.get()
     verdict_after = tokens <= DEVICE_CHECK_MAX_TOKENS
     on_chip = tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB
@@ -530,19 +541,22 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         if zero_fill:  # the fill must not run for bad ids: here the host waits before it
             _raise_if_out_of_range(*_id_range(ids), vocab_size)
     elif vocab_size <= KEYS_MAX_VOCAB:
-        # One kernel reads the ids once for their range (per CTA) and int16 sort keys; the
-        # range goes to pinned memory and the sort is queued before the host waits for it, so
-        # the GPU sorts meanwhile. int16 keys: two radix passes instead of int32's four. The
-        # keys are exact whenever the range check passes, and the sorted ids are used only then.
+        # One kernel reads the ids once for their range (per CTA) and int16 sort keys (two
+        # radix passes instead of int32's four); the ranges go to pinned memory. The widened
+        # sorted ids carry the ranges' verdict (WidenKeys), so the kernels write nothing for
+        # bad ids and the host waits for the ranges only after queueing every launch: the GPU
+        # never waits for the host. A zero-fill of the caller's table must not run for bad
+        # ids: there the host waits before it.
         keys = ids.new_empty(tokens, dtype=torch.int16)
         entry.run_range_and_keys(ids, keys, ranges)
         cta_ranges.copy_(ranges, non_blocking=True)
         range_ready.record()
         sorted_keys, order = torch.sort(keys, stable=True)
-        sorted_ids = sorted_keys.to(torch.int32).add_(KEY_SHIFT)
-        range_ready.synchronize()
-        lows, highs = zip(*cta_ranges.tolist())
-        _raise_if_out_of_range(min(lows), max(highs), vocab_size)
+        sorted_ids = ids.new_empty(tokens, dtype=torch.int32)
+        entry.run_widen_keys(sorted_keys, ranges, sorted_ids, vocab_size, WidenKeys.ctas(tokens))
+        range_after = not zero_fill
+        if zero_fill:
+            _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size)
     else:
         cta_ranges[0].copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
         range_ready.record()
@@ -563,6 +577,8 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
         _check_out(out, hidden_states, vocab_size)
         raise
+    if range_after:
+        _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size)
     # The kernels' verdict, unless the host already checked the range before the fill.
     if verdict_after and not zero_fill and status.item():  # an id out of range: nothing written
         _raise_if_out_of_range(*_id_range(ids), vocab_size)
