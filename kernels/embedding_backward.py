@@ -113,7 +113,7 @@ class EmbeddingRmsNormBackward:
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], weight,
                     sorted_ids, order, table, partials, carries, status, ids).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
-        self.fixup(sorted_ids, table, carries, ctas, stream)
+        self.fixup(sorted_ids, table, carries, ctas, stream, ids_ready=ids is None)
         self.column_sum(partials, grad_weight, stream, skip=status)
 
     @cute.kernel
@@ -216,6 +216,8 @@ class EmbeddingRmsNormBackward:
             if m_sorted[hi] == m_sorted[hi - 1]:
                 store_row(loads[1], segment, m_carry[2 * bidx + 1 - head, None], tidx, threads, vpt, vectors)
         store_row(loads[1], grad_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
+        # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
+        cute.arch.griddepcontrol_launch_dependents()
 
 
     @cute.jit
@@ -272,6 +274,12 @@ class SegmentFixup:
     Grid (ranges, column blocks): CTA (a, b) owns the segment that starts in range a and runs
     past it (most CTAs own nothing and exit), and LINE_VECTORS column vectors of it. Its warps
     split the partial rows round-robin and warp 0 adds the warps in order: a fixed order.
+
+    Launched as the row kernel's programmatic dependent: where the sorted ids were there before
+    the row kernel (`ids_ready`), ownership (a chain of dependent loads) is worked out while the
+    row kernel drains, and only the partials and table rows wait on griddepcontrol. Every CTA
+    waits, owner or not, so the fix-up never completes before the row kernel: the column sum
+    after it relies on that.
     """
 
     WARPS = 4
@@ -282,13 +290,13 @@ class SegmentFixup:
 
     @cute.jit
     def __call__(self, sorted_ids: cute.Tensor, table: cute.Tensor, carries: cute.Tensor, ctas: Int32,
-                 stream: cuda.CUstream):
-        self.kernel(sorted_ids, table, carries).launch(
+                 stream: cuda.CUstream, ids_ready: cutlass.Constexpr = True):
+        self.kernel(sorted_ids, table, carries, ids_ready).launch(
             grid=[ctas, cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1],
-            block=[32 * self.WARPS, 1, 1], stream=stream)
+            block=[32 * self.WARPS, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor):
+    def kernel(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor, ids_ready: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         a, column_block, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -299,6 +307,8 @@ class SegmentFixup:
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, 32, self.WARPS)), byte_alignment=16)
         f32 = wide_copy(Float32)
         v = column_block * self.LINE_VECTORS + lane
+        if cutlass.const_expr(not ids_ready):
+            cute.arch.griddepcontrol_wait()  # the row kernel's CTA 0 publishes the sorted ids
         owns = Int32(0)
         if hi < tokens and _ids_in_range(m_sorted, m_table.shape[0]) == 1:
             if m_sorted[hi] == m_sorted[hi - 1]:
@@ -306,13 +316,12 @@ class SegmentFixup:
                 if lo > 0:
                     if m_sorted[lo - 1] == m_sorted[hi - 1]:
                         owns = Int32(0)  # it started in an earlier range, whose CTA owns it
+        # The last range the segment reaches. Random ids make short segments, which end in the
+        # next range: one load says so. Only a segment that runs past it (one id on many tokens)
+        # pays the binary search for the first id above vid, ~log2(T) dependent loads.
+        vid, last_range = Int32(0), a + 1
         if owns == 1:
             vid = m_sorted[hi - 1]
-            # The last range the segment reaches. Random ids make short segments, which end in
-            # the next range: one load says so. Only a segment that runs past it (one id on
-            # many tokens) pays the binary search for the first id above vid, ~log2(T)
-            # dependent loads that every owning CTA used to pay.
-            last_range = a + 1
             next_hi = _range(a + 2, tokens, ctas)
             if next_hi < tokens:
                 if m_sorted[next_hi] == vid:
@@ -325,6 +334,9 @@ class SegmentFixup:
                             else:
                                 left = mid + 1
                     last_range = Int32((Int64(left) * Int64(ctas) + Int64(tokens) - 1) // Int64(tokens)) - 1
+        if cutlass.const_expr(ids_ready):
+            cute.arch.griddepcontrol_wait()  # the partials and table rows are written past this point
+        if owns == 1:
             acc = cute.make_rmem_tensor((VECTOR,), Float32)
             staging = cute.make_rmem_tensor((VECTOR,), Float32)
             acc.fill(0.0)
