@@ -16,13 +16,15 @@ a call; where it waits depends on the call's size (measured, tools/reports/087-n
 - small calls, host-bound: every kernel reads the sorted ends and, with an id outside
   [0, vocab), writes neither the table nor grad_weight; the row kernel's CTA 0 leaves that
   verdict in a status word, read back once the launches are done;
-- large calls, GPU-bound: one kernel (id_sort.RangeAndKeys) reads the ids for each CTA's
-  smallest and largest and for int16 sort keys; the ranges go to a pinned buffer. The sorted
-  keys are widened to int32 ids by a kernel that also poisons the first sorted id when a
-  range is bad, so every kernel sees the verdict; the host queues all launches and only then
-  waits for the ranges (waiting before the launches left the GPU idle ~25 us a call at 32K
-  tokens; waiting for the sort, ~126 us). Vocabularies above 65536 ids: aminmax and int32
-  keys, and the host waits for the range before the launches.
+- large calls, GPU-bound: up to id_radix.MAX_TOKENS tokens (vocabularies up to 65536 ids)
+  our own stable radix sort (id_radix: three kernels, one FFI call) also writes each chunk's
+  id range, which goes to pinned memory, and writes -1 as the first sorted id when a range is
+  bad, so every kernel sees the verdict and writes nothing. The host queues all launches and
+  only then waits for the ranges (waiting before the launches left the GPU idle; waiting for
+  PyTorch's sort, ~126 us a call at 32K tokens). Above MAX_TOKENS, id_sort.RangeAndKeys,
+  PyTorch's sort of int16 keys and id_sort.WidenKeys do the same in more launches;
+  vocabularies above 65536 ids: aminmax and an int32 sort, the host waiting for the range
+  before the launches.
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
@@ -42,7 +44,7 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from . import runtime
+from . import id_radix, runtime
 from .column_sum import ColumnSum
 from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys, sort_ids
 from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB
@@ -445,6 +447,8 @@ class _Entry:
         self.run_sort_on_chip = runtime.ffi_function(_build(hidden, accumulate, arch, ids_dtype=ids))
         self.run_range_and_keys = runtime.ffi_function(build_range_and_keys(ids, arch))
         self.run_widen_keys = runtime.ffi_function(build_widen_keys(arch))
+        self.run_radix_sort = runtime.ffi_function(id_radix.build(ids, arch))
+        self.radix = id_radix.Workspace(device)
         # grad_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)
 
@@ -503,9 +507,10 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     written.
 
     The index pass: up to SORT_ON_CHIP_MAX_TOKENS tokens (vocabularies up to
-    SORT_ON_CHIP_MAX_VOCAB) in the row kernel, above that PyTorch's stable sort. The id check
-    makes the host wait once a call: up to DEVICE_CHECK_MAX_TOKENS tokens for the kernels'
-    verdict at the end, above for the ids' range while the sort runs (module docstring).
+    SORT_ON_CHIP_MAX_VOCAB) in the row kernel; above, up to id_radix.MAX_TOKENS (vocabularies
+    up to 65536), our radix sort; otherwise PyTorch's stable sort. The id check makes the host
+    wait once a call: up to DEVICE_CHECK_MAX_TOKENS tokens for the kernels' verdict at the end,
+    above for the ids' range, after the launches are queued (module docstring).
     """
     import torch
 
@@ -552,6 +557,18 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
             sorted_ids, order = torch.sort(keys, stable=True)
         if zero_fill:  # the fill must not run for bad ids: here the host waits before it
             _raise_if_out_of_range(*_id_range(ids), vocab_size)
+    elif vocab_size <= id_radix.MAX_VOCAB and tokens <= id_radix.MAX_TOKENS:
+        # The native index pass (id_radix): three kernels in one call, the verdict on the
+        # first sorted id, the chunks' ranges to pinned memory for the host's check.
+        counts, chunk_ranges, pinned, keys, positions, sorted_all, order_all = entry.radix.get()
+        sorted_ids, order = sorted_all[:tokens], order_all[:tokens]
+        entry.run_radix_sort(ids, counts, chunk_ranges, keys, positions, sorted_ids, order, vocab_size)
+        cta_ranges = pinned[:id_radix.chunks(tokens)]
+        cta_ranges.copy_(chunk_ranges[:len(cta_ranges)], non_blocking=True)
+        range_ready.record()
+        range_after = not zero_fill
+        if zero_fill:
+            _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size)
     elif vocab_size <= KEYS_MAX_VOCAB:
         # One kernel reads the ids once for their range (per CTA) and int16 sort keys (two
         # radix passes instead of int32's four); the ranges go to pinned memory. The widened

@@ -1,8 +1,10 @@
 """L1/087 kernel: argument errors on any machine; parity, duplicates, accumulate and determinism on the GPU."""
 import pytest
 import torch
+from cutlass import Int32, Int64
 
 from cutebwd import embedding_rmsnorm_backward as kernel
+from cutebwd.kernels import id_radix
 from cutebwd.kernels.embedding_backward import DEVICE_CHECK_MAX_TOKENS, SORT_ON_CHIP_MAX_TOKENS
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import WORKLOADS
@@ -97,15 +99,17 @@ def test_out_of_range_ids_raise_and_write_nothing(seq):
 
 
 @pytest.mark.gpu
-# Above 4096 tokens the sort runs on narrowed keys: int16 (1000), int16 shifted by -32768 (65536:
-# ids on both sides of the shift and at both ends), int32 (70000).
-@pytest.mark.parametrize("vocab", [1000, 65536, 70000])
-def test_large_calls_by_vocabulary(vocab):
+# Large calls by index pass: the radix sort up to id_radix.MAX_TOKENS with vocabularies of 1000
+# and 65536 (ids at both ends and around the high digit's middle); aminmax and PyTorch's int32
+# sort for 70000; one token past MAX_TOKENS, int16 keys sorted by PyTorch.
+@pytest.mark.parametrize("vocab,batch,seq", [(1000, 3, 2000), (65536, 3, 2000), (70000, 3, 2000),
+                                             (65536, 1, id_radix.MAX_TOKENS + 1)])
+def test_large_calls_by_vocabulary(vocab, batch, seq):
     dims = {"vocab": vocab, "hidden": 64}
-    go, ids, x, r, w = PROBLEM.make_inputs(3, 2000, device="cuda", seed=vocab, dims=dims)
+    go, ids, x, r, w = PROBLEM.make_inputs(batch, seq, device="cuda", seed=vocab, dims=dims)
     edges = torch.tensor([vocab - 1, 0, vocab // 2, vocab // 2 - 1, vocab - 1, 0, vocab // 2])
     ids[0, :7] = edges
-    ids[2, -7:] = edges
+    ids[-1, -7:] = edges
     expected = PROBLEM.reference(go, ids, x, r, w, vocab_size=vocab, fp32_outputs=True)
     got = kernel(go, ids, x, r, w, vocab_size=vocab)
     assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
@@ -150,3 +154,25 @@ def test_gpu_argument_errors():
         kernel(go, ids, x, r, w, out=(table, w.bfloat16()), accumulate=True)
     with pytest.raises(ValueError, match=r"out\[grad_embedding\]: expected shape"):
         kernel(go, ids, x, r, w, out=(table[:100], w.clone()), accumulate=True)
+
+
+@pytest.mark.gpu
+# The radix sort alone: bitwise PyTorch's stable sort (ids and order) at a ragged chunk, 32K
+# tokens and MAX_TOKENS, int32 and int64 ids, one id everywhere; a bad id leaves -1 first.
+@pytest.mark.parametrize("tokens,dtype,vocab", [(2049, torch.int64, 65536), (5000 + 7, torch.int32, 300),
+                                                (32768, torch.int64, 65536), (id_radix.MAX_TOKENS, torch.int32, 1)])
+def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab):
+    from cutebwd.kernels.runtime import device_arch, ffi_function
+
+    run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(0)))
+    counts, ranges, _, keys, positions, sorted_all, order_all = id_radix.Workspace(torch.device("cuda", torch.cuda.current_device())).get()
+    ids = torch.randint(0, vocab, (tokens,), device="cuda", dtype=dtype)
+    sorted_ids, order = sorted_all[:tokens].fill_(-5), order_all[:tokens].fill_(-5)
+    run(ids, counts, ranges, keys, positions, sorted_ids, order, vocab)
+    want_ids, want_order = torch.sort(ids, stable=True)
+    assert torch.equal(sorted_ids, want_ids.int()) and torch.equal(order, want_order)
+    chunk_ranges = ranges[:id_radix.chunks(tokens)]
+    assert int(chunk_ranges[:, 0].min()) == int(ids.min()) and int(chunk_ranges[:, 1].max()) == int(ids.max())
+    ids[tokens // 2] = vocab
+    run(ids, counts, ranges, keys, positions, sorted_ids, order, vocab)
+    assert int(sorted_ids[0]) == -1

@@ -1,0 +1,252 @@
+"""087's index pass for large calls, native: a stable LSD radix sort of the token ids on two
+8-bit digits, three kernels in one FFI call. It replaces the range pass, PyTorch's stable
+sort (ten operations: a copy, an index fill, four memsets, a histogram, a scan, two
+onesweep passes) and the widening, ~35 us of kernels and launch gaps at 32K tokens
+(tools/reports/087-notes.md, session 11).
+
+The ids are cut into chunks of CHUNK tokens, one CTA each, in every kernel:
+1. `counts`: per chunk, the smallest and largest id (for the host's check and the verdict
+   below) and how many ids have each low digit; it also zeroes the chunk's high-digit counts.
+2. `low pass`: each CTA ranks its chunk's ids by low digit, stably, and writes (key, token) to
+   position = the digit's start over all chunks + the earlier chunks' count of it + the rank.
+   As it writes, it counts high digits per destination chunk (integer atomics: counts, the
+   same whatever their order).
+3. `high pass` over that output: the sorted ids (int32) and their tokens (int64, the order),
+   bitwise what a stable sort gives. The thread that writes position 0 writes -1 there when a
+   chunk's range leaves [0, vocab), so every later kernel refuses the call and writes nothing.
+
+Ranking within a chunk: each warp takes 128 consecutive tokens in four rounds of 32 lanes;
+match.any finds the lanes of a round with the same digit, a per-warp count per digit in
+shared memory carries the rank across rounds, and an exclusive sum over the warps orders
+them. Keys are id & 0xFFFF: exact for vocabularies of up to 65536 ids once the range check
+passes, and never out of bounds before it.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from . import runtime
+
+CHUNK = 1024
+THREADS = 256  # one digit a thread where digits are handled one by one
+WARPS = THREADS // 32
+ROUNDS = CHUNK // THREADS
+DIGIT_BITS = 8
+DIGITS = 1 << DIGIT_BITS
+NO_DIGIT = DIGITS  # a lane past the last token: matches no digit
+MAX_CHUNKS = 128  # each CTA reads every chunk's count of its digit
+MAX_TOKENS = CHUNK * MAX_CHUNKS
+MAX_VOCAB = 1 << (2 * DIGIT_BITS)
+
+
+def chunks(tokens: int) -> int:
+    return -(-tokens // CHUNK)
+
+
+@cute.jit
+def _block_range(smem, smallest, largest, tidx):
+    """(smallest, largest) over the CTA: a tree over shared memory."""
+    lows = smem.allocate_tensor(Int64, cute.make_layout((THREADS,)), byte_alignment=16)
+    highs = smem.allocate_tensor(Int64, cute.make_layout((THREADS,)), byte_alignment=16)
+    lows[tidx] = smallest
+    highs[tidx] = largest
+    cute.arch.barrier()
+    half = THREADS // 2
+    while half > 0:
+        if tidx < half:
+            lows[tidx] = cutlass.min(lows[tidx], lows[tidx + half])
+            highs[tidx] = cutlass.max(highs[tidx], highs[tidx + half])
+        cute.arch.barrier()
+        half = half // 2
+    return lows[0], highs[0]
+
+
+@cute.jit
+def _positions(smem, digits, m_counts, count_row, chunk, chunk_count, tidx):
+    """Where each of this thread's ROUNDS tokens goes (digits[r] == NO_DIGIT: none). m_counts
+    rows count_row + c hold chunk c's count of each digit."""
+    lane, warp = tidx % 32, tidx // 32
+    warp_counts = smem.allocate_tensor(Int32, cute.make_layout((WARPS, DIGITS), stride=(DIGITS, 1)),
+                                       byte_alignment=16)
+    starts = smem.allocate_tensor(Int32, cute.make_layout((DIGITS,)), byte_alignment=16)
+    for w in cutlass.range_constexpr(WARPS):
+        warp_counts[w, tidx] = Int32(0)
+    # Digit tidx: its count over all chunks and over the earlier ones (independent loads).
+    total, before = Int32(0), Int32(0)
+    for c in cutlass.range(chunk_count, unroll=8):
+        n = m_counts[count_row + c, tidx]
+        total += n
+        if c < chunk:
+            before += n
+    starts[tidx] = total
+    cute.arch.barrier()
+    for step in cutlass.range_constexpr(DIGIT_BITS):  # inclusive sum over the digits
+        lower = Int32(0)
+        if tidx >= (1 << step):
+            lower = starts[tidx - (1 << step)]
+        cute.arch.barrier()
+        starts[tidx] = starts[tidx] + lower
+        cute.arch.barrier()
+    start = starts[tidx] - total + before
+    cute.arch.barrier()
+    starts[tidx] = start
+    ranks = cute.make_rmem_tensor((ROUNDS,), Int32)
+    for r in cutlass.range_constexpr(ROUNDS):
+        digit = digits[r]
+        peers = cute.arch.match_sync(0xFFFFFFFF, digit)
+        below = Int32(cute.arch.popc(peers & cute.arch.lanemask_lt()))
+        seen = Int32(0)
+        if digit != NO_DIGIT:
+            seen = warp_counts[warp, digit]
+        cute.arch.sync_warp()
+        if digit != NO_DIGIT and below == Int32(cute.arch.popc(peers)) - 1:  # the round's last peer
+            warp_counts[warp, digit] = seen + below + 1
+        cute.arch.sync_warp()
+        ranks[r] = seen + below
+    cute.arch.barrier()
+    running = Int32(0)  # digit tidx: the earlier warps' count of it
+    for w in cutlass.range_constexpr(WARPS):
+        n = warp_counts[w, tidx]
+        warp_counts[w, tidx] = running
+        running += n
+    cute.arch.barrier()
+    positions = cute.make_rmem_tensor((ROUNDS,), Int32)
+    for r in cutlass.range_constexpr(ROUNDS):
+        positions[r] = Int32(-1)
+        if digits[r] != NO_DIGIT:
+            positions[r] = starts[digits[r]] + warp_counts[warp, digits[r]] + ranks[r]
+    return positions
+
+
+def _token(chunk, tidx, r):
+    """The r-th token of this thread: warps take 128 consecutive tokens, lanes consecutive ones."""
+    return chunk * CHUNK + (tidx // 32) * (32 * ROUNDS) + r * 32 + tidx % 32
+
+
+class IdRadixSort:
+    """ids [T] (int64 or int32) -> sorted ids [T] int32 and order [T] int64, with per-chunk
+    ranges [MAX_CHUNKS, 2] int64 for the host. Workspace: counts [2 MAX_CHUNKS, DIGITS] int32
+    (low digits per input chunk, then high digits per low-pass output chunk), keys and tokens
+    [MAX_TOKENS] int32 between the passes."""
+
+    @cute.jit
+    def __call__(self, ids: cute.Tensor, counts: cute.Tensor, ranges: cute.Tensor, keys: cute.Tensor,
+                 tokens: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, vocab: Int32,
+                 stream: cuda.CUstream):
+        grid = [cute.ceil_div(cute.size(ids), CHUNK), 1, 1]
+        self.counts(ids, counts, ranges).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.low_pass(ids, counts, keys, tokens).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.high_pass(keys, tokens, counts, ranges, sorted_ids, order, vocab).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def counts(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        histogram = smem.allocate_tensor(Int32, cute.make_layout((DIGITS,)), byte_alignment=16)
+        histogram[tidx] = Int32(0)
+        m_counts[MAX_CHUNKS + chunk, tidx] = Int32(0)  # the high pass's counts, made by the low pass
+        cute.arch.barrier()
+        smallest, largest = Int64(2**63 - 1), Int64(-(2**63))
+        for r in cutlass.range_constexpr(ROUNDS):
+            i = chunk * CHUNK + r * THREADS + tidx
+            if i < cute.size(m_ids):
+                token_id = Int64(m_ids[i])
+                smallest = cutlass.min(smallest, token_id)
+                largest = cutlass.max(largest, token_id)
+                cute.arch.atomic_add(histogram.iterator + (Int32(token_id) & (DIGITS - 1)), Int32(1))
+        smallest, largest = _block_range(smem, smallest, largest, tidx)  # its barriers order the histogram
+        m_counts[chunk, tidx] = histogram[tidx]
+        if tidx == 0:
+            m_ranges[chunk, 0] = smallest
+            m_ranges[chunk, 1] = largest
+
+    @cute.kernel
+    def low_pass(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_keys: cute.Tensor, m_tokens: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, _, _ = cute.arch.block_idx()
+        chunk_count, _, _ = cute.arch.grid_dim()
+        smem = cutlass.memory.SmemAllocator()
+        keys = cute.make_rmem_tensor((ROUNDS,), Int32)
+        digits = cute.make_rmem_tensor((ROUNDS,), Int32)
+        for r in cutlass.range_constexpr(ROUNDS):
+            token = _token(chunk, tidx, r)
+            keys[r], digits[r] = Int32(0), Int32(NO_DIGIT)
+            if token < cute.size(m_ids):
+                keys[r] = Int32(m_ids[token]) & (MAX_VOCAB - 1)
+                digits[r] = keys[r] & (DIGITS - 1)
+        positions = _positions(smem, digits, m_counts, 0, chunk, chunk_count, tidx)
+        for r in cutlass.range_constexpr(ROUNDS):
+            if digits[r] != NO_DIGIT:
+                p = positions[r]
+                m_keys[p] = keys[r]
+                m_tokens[p] = _token(chunk, tidx, r)
+                high = m_counts.iterator + ((MAX_CHUNKS + p // CHUNK) * DIGITS + (keys[r] >> DIGIT_BITS))
+                cute.arch.atomic_add(high, Int32(1))
+
+    @cute.kernel
+    def high_pass(self, m_keys: cute.Tensor, m_tokens: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor,
+                  m_sorted: cute.Tensor, m_order: cute.Tensor, vocab: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, _, _ = cute.arch.block_idx()
+        chunk_count, _, _ = cute.arch.grid_dim()
+        smem = cutlass.memory.SmemAllocator()
+        keys = cute.make_rmem_tensor((ROUNDS,), Int32)
+        digits = cute.make_rmem_tensor((ROUNDS,), Int32)
+        for r in cutlass.range_constexpr(ROUNDS):
+            token = _token(chunk, tidx, r)
+            keys[r], digits[r] = Int32(0), Int32(NO_DIGIT)
+            if token < cute.size(m_sorted):
+                keys[r] = m_keys[token]
+                digits[r] = keys[r] >> DIGIT_BITS
+        positions = _positions(smem, digits, m_counts, MAX_CHUNKS, chunk, chunk_count, tidx)
+        for r in cutlass.range_constexpr(ROUNDS):
+            if digits[r] != NO_DIGIT:
+                p = positions[r]
+                sorted_id = keys[r]
+                if p == 0:  # the verdict rides on the first sorted id (module docstring)
+                    for c in cutlass.range(chunk_count):
+                        if m_ranges[c, 0] < 0 or m_ranges[c, 1] >= Int64(vocab):
+                            sorted_id = Int32(-1)
+                m_sorted[p] = sorted_id
+                m_order[p] = Int64(m_tokens[_token(chunk, tidx, r)])
+
+
+def build(ids_dtype, arch: str, dump_dir=None):
+    """IdRadixSort for int64 or int32 ids (Int64 / Int32), called with torch tensors."""
+    tokens = cute.sym_int32()
+    return runtime.compile_kernel(
+        ("087 id radix sort", str(ids_dtype)), IdRadixSort(),
+        runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8),
+        runtime.fake_tensor(Int32, (2 * MAX_CHUNKS, DIGITS), (DIGITS, 1), 16),
+        runtime.fake_tensor(Int64, (MAX_CHUNKS, 2), (2, 1), 16),
+        runtime.fake_tensor(Int32, (MAX_TOKENS,), (1,), 16), runtime.fake_tensor(Int32, (MAX_TOKENS,), (1,), 16),
+        runtime.fake_tensor(Int32, (tokens,), (1,), 4), runtime.fake_tensor(Int64, (tokens,), (1,), 8),
+        Int32(1), runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+
+
+class Workspace(runtime.StreamWorkspace):
+    """Per stream: counts, ranges (device and pinned), keys and tokens between the passes,
+    sorted ids and order (the row kernel reads views of the last two)."""
+
+    def __init__(self, device):
+        super().__init__(0, 0, device)
+
+    def _new(self):
+        import torch
+
+        def ints(*shape, dtype=torch.int32):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+        return (ints(2 * MAX_CHUNKS, DIGITS), ints(MAX_CHUNKS, 2, dtype=torch.int64),
+                torch.empty(MAX_CHUNKS, 2, dtype=torch.int64, pin_memory=True), ints(MAX_TOKENS), ints(MAX_TOKENS),
+                ints(MAX_TOKENS), ints(MAX_TOKENS, dtype=torch.int64))
+
+
+AUDIT_BUILDS = {"embedding_rmsnorm_backward ids radix sort": lambda arch, dump_dir: build(Int64, arch, dump_dir)}
+# 8-byte id loads, 8-byte order stores, the warp match; integer atomics for counts only.
+AUDIT_EXPECTS = {arch: {"require": ["LDG.64", "STG.64"], "forbid": ["LOCAL"]} for arch in runtime.ARCHES}
