@@ -46,10 +46,11 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import id_radix, runtime
 from .column_sum import ColumnSum
+from .segment_fixup import SegmentFixup, ids_in_range, range_start
 from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys, sort_ids
 from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
-                   read_row, ring_stages, row_sum, rows_view, store_row, thread_split, vector, wide_copy)
+                   read_row, ring_stages, row_sum, rows_view, store_row, thread_split, wide_copy)
 
 TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
 CTAS_PER_SM = 2  # 256 threads x 128 registers
@@ -63,11 +64,6 @@ DEVICE_CHECK_MAX_TOKENS = 2048
 # CTAs per SM share the shared memory; H = 4096 gets 3 stages (96 KB with accumulate).
 RING_BYTES = 104 * 1024
 MAX_STAGES = 3
-
-
-def _range(c, tokens, ctas):
-    """First sorted position of range c: floor(c * T / ctas), in 64-bit (c * T may pass 2^31)."""
-    return Int32((Int64(c) * Int64(tokens)) // Int64(ctas))
 
 
 class EmbeddingRmsNormBackward:
@@ -135,9 +131,9 @@ class EmbeddingRmsNormBackward:
             in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, bidx == 0, tidx,
                                                    threads)
         else:
-            in_range = _ids_in_range(m_sorted, m_table.shape[0])
+            in_range = ids_in_range(m_sorted, m_table.shape[0])
         tokens = cute.size(m_sorted)
-        lo, hi = _range(bidx, tokens, ctas), _range(bidx + 1, tokens, ctas)
+        lo, hi = range_start(bidx, tokens, ctas), range_start(bidx + 1, tokens, ctas)
         if bidx == 0 and tidx == 0:
             m_status[0] = Float32(1 - in_range)
         if in_range == 0:
@@ -247,15 +243,6 @@ def _segment_ends(m_sorted, p) -> Int32:
 
 
 @cute.jit
-def _ids_in_range(m_sorted, vocab) -> Int32:
-    """1 when every id lies in [0, vocab): the sorted ends do."""
-    ok = Int32(0)
-    if m_sorted[0] >= 0 and m_sorted[cute.size(m_sorted) - 1] < vocab:
-        ok = Int32(1)
-    return ok
-
-
-@cute.jit
 def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tidx, threads: cutlass.Constexpr,
                      vpt: cutlass.Constexpr, vectors: cutlass.Constexpr, old_row):
     """row = bf16(segment), or bf16(fp32(old_row) + segment) when accumulating (old_row: the
@@ -267,103 +254,6 @@ def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tid
         store_row(atom, old, row, tidx, threads, vpt, vectors)
     else:
         store_row(atom, segment, row, tidx, threads, vpt, vectors)
-
-
-class SegmentFixup:
-    """Table rows of segments cut by range boundaries: the tail partial of the range where the
-    segment starts plus the head partials of the ranges it reaches, added in range order.
-
-    Grid (ranges, column blocks): CTA (a, b) owns the segment that starts in range a and runs
-    past it (most CTAs own nothing and exit), and LINE_VECTORS column vectors of it. Its warps
-    split the partial rows round-robin and warp 0 adds the warps in order: a fixed order.
-
-    Launched as the row kernel's programmatic dependent: where the sorted ids were there before
-    the row kernel (`ids_ready`), ownership (a chain of dependent loads) is worked out while the
-    row kernel drains, and only the partials and table rows wait on griddepcontrol. Every CTA
-    waits, owner or not, so the fix-up never completes before the row kernel: the column sum
-    after it relies on that.
-    """
-
-    WARPS = 4
-    LINE_VECTORS = 32  # one vector per lane
-
-    def __init__(self, hidden: int, accumulate: bool):
-        self.hidden, self.accumulate = hidden, accumulate
-
-    @cute.jit
-    def __call__(self, sorted_ids: cute.Tensor, table: cute.Tensor, carries: cute.Tensor, ctas: Int32,
-                 stream: cuda.CUstream, ids_ready: cutlass.Constexpr = True):
-        self.kernel(sorted_ids, table, carries, ids_ready).launch(
-            grid=[ctas, cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1],
-            block=[32 * self.WARPS, 1, 1], stream=stream, use_pdl=True)
-
-    @cute.kernel
-    def kernel(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor, ids_ready: cutlass.Constexpr):
-        tidx, _, _ = cute.arch.thread_idx()
-        a, column_block, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
-        lane, warp = tidx % 32, tidx // 32
-        tokens = cute.size(m_sorted)
-        lo, hi = _range(a, tokens, ctas), _range(a + 1, tokens, ctas)
-        smem = cutlass.memory.SmemAllocator()
-        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, 32, self.WARPS)), byte_alignment=16)
-        f32 = wide_copy(Float32)
-        v = column_block * self.LINE_VECTORS + lane
-        if cutlass.const_expr(not ids_ready):
-            cute.arch.griddepcontrol_wait()  # the row kernel's CTA 0 publishes the sorted ids
-        owns = Int32(0)
-        if hi < tokens and _ids_in_range(m_sorted, m_table.shape[0]) == 1:
-            if m_sorted[hi] == m_sorted[hi - 1]:
-                owns = Int32(1)
-                if lo > 0:
-                    if m_sorted[lo - 1] == m_sorted[hi - 1]:
-                        owns = Int32(0)  # it started in an earlier range, whose CTA owns it
-        # The last range the segment reaches. Random ids make short segments, which end in the
-        # next range: one load says so. Only a segment that runs past it (one id on many tokens)
-        # pays the binary search for the first id above vid, ~log2(T) dependent loads.
-        vid, last_range = Int32(0), a + 1
-        if owns == 1:
-            vid = m_sorted[hi - 1]
-            next_hi = _range(a + 2, tokens, ctas)
-            if next_hi < tokens:
-                if m_sorted[next_hi] == vid:
-                    left, right = next_hi, tokens
-                    for _ in cutlass.range_constexpr(32):
-                        if left < right:
-                            mid = (left + right) // 2
-                            if m_sorted[mid] > vid:
-                                right = mid
-                            else:
-                                left = mid + 1
-                    last_range = Int32((Int64(left) * Int64(ctas) + Int64(tokens) - 1) // Int64(tokens)) - 1
-        if cutlass.const_expr(ids_ready):
-            cute.arch.griddepcontrol_wait()  # the partials and table rows are written past this point
-        if owns == 1:
-            acc = cute.make_rmem_tensor((VECTOR,), Float32)
-            staging = cute.make_rmem_tensor((VECTOR,), Float32)
-            acc.fill(0.0)
-            if v < self.hidden // VECTOR:
-                # partial j: the tail of range a (j = 0), then the head of range a + j
-                for j in cutlass.range(warp, last_range - a + 1, self.WARPS, unroll=4):
-                    row = 2 * (a + j) + 1
-                    if j > 0:
-                        row = 2 * (a + j)
-                    cute.copy(f32, vector(m_carry[row, None], v), staging)
-                    acc.store(acc.load() + staging.load())
-            warp_sums[None, lane, warp].store(acc.load())
-            cute.arch.barrier()
-            if warp == 0 and v < self.hidden // VECTOR:
-                acc.fill(0.0)
-                for w in cutlass.range_constexpr(self.WARPS):
-                    acc.store(acc.load() + warp_sums[None, lane, w].load())
-                row = m_table[Int32(vid), None]
-                out = cute.make_rmem_tensor((VECTOR,), BFloat16)
-                bf16 = wide_copy(BFloat16)
-                if cutlass.const_expr(self.accumulate):
-                    cute.copy(bf16, vector(row, v), out)
-                    acc.store(acc.load() + out.load().to(Float32))
-                out.store(acc.load().to(BFloat16))
-                cute.copy(bf16, out, vector(row, v))
 
 
 def _fake_args(hidden: int, ids_dtype=None):

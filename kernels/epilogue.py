@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 

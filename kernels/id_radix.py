@@ -68,7 +68,7 @@ def _block_range(smem, smallest, largest, tidx):
 def _positions(smem, digits, m_counts, count_row, chunk, chunk_count, tidx):
     """Where each of this thread's ROUNDS tokens goes (digits[r] == NO_DIGIT: none). m_counts
     rows count_row + c hold chunk c's count of each digit."""
-    lane, warp = tidx % 32, tidx // 32
+    warp = tidx // 32
     warp_counts = smem.allocate_tensor(Int32, cute.make_layout((WARPS, DIGITS), stride=(DIGITS, 1)),
                                        byte_alignment=16)
     starts = smem.allocate_tensor(Int32, cute.make_layout((DIGITS,)), byte_alignment=16)

@@ -404,8 +404,6 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     the Python checks run on a shape's first call and to explain a rejected call. Each CUDA
     stream keeps a [<= 3.5 x SMs, H] fp32 workspace for the partial sums (<= 4.7 MB at H = 2560).
     """
-    import torch
-
     try:
         batch, seq, hidden = grad_output.shape
         entry = _entries[hidden, normalized is None, grad_output.get_device()]

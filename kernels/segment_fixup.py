@@ -1,0 +1,124 @@
+"""087's work split and the fix-up of the segments it cuts: the sorted positions go to `ctas`
+contiguous ranges, one per row-kernel CTA; a segment (one id's tokens) that crosses a range
+boundary leaves fp32 partial rows, which `SegmentFixup` adds in range order into the table.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from .rows import VECTOR, vector, wide_copy
+
+
+def range_start(c, tokens, ctas):
+    """First sorted position of range c: floor(c * T / ctas), in 64-bit (c * T may pass 2^31)."""
+    return Int32((Int64(c) * Int64(tokens)) // Int64(ctas))
+
+
+@cute.jit
+def ids_in_range(m_sorted, vocab) -> Int32:
+    """1 when every id lies in [0, vocab): the sorted ends do."""
+    ok = Int32(0)
+    if m_sorted[0] >= 0 and m_sorted[cute.size(m_sorted) - 1] < vocab:
+        ok = Int32(1)
+    return ok
+
+
+class SegmentFixup:
+    """Table rows of segments cut by range boundaries: the tail partial of the range where the
+    segment starts plus the head partials of the ranges it reaches, added in range order.
+
+    Grid (ranges, column blocks): CTA (a, b) owns the segment that starts in range a and runs
+    past it (most CTAs own nothing and exit), and LINE_VECTORS column vectors of it. Its warps
+    split the partial rows round-robin and warp 0 adds the warps in order: a fixed order.
+
+    Launched as the row kernel's programmatic dependent: where the sorted ids were there before
+    the row kernel (`ids_ready`), ownership (a chain of dependent loads) is worked out while the
+    row kernel drains, and only the partials and table rows wait on griddepcontrol. Every CTA
+    waits, owner or not, so the fix-up never completes before the row kernel: the column sum
+    after it relies on that.
+    """
+
+    WARPS = 4
+    LINE_VECTORS = 32  # one vector per lane
+
+    def __init__(self, hidden: int, accumulate: bool):
+        self.hidden, self.accumulate = hidden, accumulate
+
+    @cute.jit
+    def __call__(self, sorted_ids: cute.Tensor, table: cute.Tensor, carries: cute.Tensor, ctas: Int32,
+                 stream: cuda.CUstream, ids_ready: cutlass.Constexpr = True):
+        self.kernel(sorted_ids, table, carries, ids_ready).launch(
+            grid=[ctas, cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1],
+            block=[32 * self.WARPS, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor, ids_ready: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        a, column_block, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        lane, warp = tidx % 32, tidx // 32
+        tokens = cute.size(m_sorted)
+        lo, hi = range_start(a, tokens, ctas), range_start(a + 1, tokens, ctas)
+        smem = cutlass.memory.SmemAllocator()
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, 32, self.WARPS)), byte_alignment=16)
+        f32 = wide_copy(Float32)
+        v = column_block * self.LINE_VECTORS + lane
+        if cutlass.const_expr(not ids_ready):
+            cute.arch.griddepcontrol_wait()  # the row kernel's CTA 0 publishes the sorted ids
+        owns = Int32(0)
+        if hi < tokens and ids_in_range(m_sorted, m_table.shape[0]) == 1:
+            if m_sorted[hi] == m_sorted[hi - 1]:
+                owns = Int32(1)
+                if lo > 0:
+                    if m_sorted[lo - 1] == m_sorted[hi - 1]:
+                        owns = Int32(0)  # it started in an earlier range, whose CTA owns it
+        # The last range the segment reaches. Random ids make short segments, which end in the
+        # next range: one load says so. Only a segment that runs past it (one id on many tokens)
+        # pays the binary search for the first id above vid, ~log2(T) dependent loads.
+        vid, last_range = Int32(0), a + 1
+        if owns == 1:
+            vid = m_sorted[hi - 1]
+            next_hi = range_start(a + 2, tokens, ctas)
+            if next_hi < tokens:
+                if m_sorted[next_hi] == vid:
+                    left, right = next_hi, tokens
+                    for _ in cutlass.range_constexpr(32):
+                        if left < right:
+                            mid = (left + right) // 2
+                            if m_sorted[mid] > vid:
+                                right = mid
+                            else:
+                                left = mid + 1
+                    last_range = Int32((Int64(left) * Int64(ctas) + Int64(tokens) - 1) // Int64(tokens)) - 1
+        if cutlass.const_expr(ids_ready):
+            cute.arch.griddepcontrol_wait()  # the partials and table rows are written past this point
+        if owns == 1:
+            acc = cute.make_rmem_tensor((VECTOR,), Float32)
+            staging = cute.make_rmem_tensor((VECTOR,), Float32)
+            acc.fill(0.0)
+            if v < self.hidden // VECTOR:
+                # partial j: the tail of range a (j = 0), then the head of range a + j
+                for j in cutlass.range(warp, last_range - a + 1, self.WARPS, unroll=4):
+                    row = 2 * (a + j) + 1
+                    if j > 0:
+                        row = 2 * (a + j)
+                    cute.copy(f32, vector(m_carry[row, None], v), staging)
+                    acc.store(acc.load() + staging.load())
+            warp_sums[None, lane, warp].store(acc.load())
+            cute.arch.barrier()
+            if warp == 0 and v < self.hidden // VECTOR:
+                acc.fill(0.0)
+                for w in cutlass.range_constexpr(self.WARPS):
+                    acc.store(acc.load() + warp_sums[None, lane, w].load())
+                row = m_table[Int32(vid), None]
+                out = cute.make_rmem_tensor((VECTOR,), BFloat16)
+                bf16 = wide_copy(BFloat16)
+                if cutlass.const_expr(self.accumulate):
+                    cute.copy(bf16, vector(row, v), out)
+                    acc.store(acc.load() + out.load().to(Float32))
+                out.store(acc.load().to(BFloat16))
+                cute.copy(bf16, out, vector(row, v))
