@@ -126,6 +126,25 @@ def _token(chunk, tidx, r):
     return chunk * CHUNK + (tidx // 32) * (32 * ROUNDS) + r * 32 + tidx % 32
 
 
+@cute.jit
+def _chunk_keys(m_source, tokens, chunk, tidx, high_digit: cutlass.Constexpr):
+    """This thread's ROUNDS keys and their digits (NO_DIGIT past the last token): the low digit
+    of id & 0xFFFF from the ids, or the high digit of the low pass's keys."""
+    keys = cute.make_rmem_tensor((ROUNDS,), Int32)
+    digits = cute.make_rmem_tensor((ROUNDS,), Int32)
+    for r in cutlass.range_constexpr(ROUNDS):
+        token = _token(chunk, tidx, r)
+        keys[r], digits[r] = Int32(0), Int32(NO_DIGIT)
+        if token < tokens:
+            if cutlass.const_expr(high_digit):
+                keys[r] = m_source[token]
+                digits[r] = keys[r] >> DIGIT_BITS
+            else:
+                keys[r] = Int32(m_source[token]) & (MAX_VOCAB - 1)
+                digits[r] = keys[r] & (DIGITS - 1)
+    return keys, digits
+
+
 class IdRadixSort:
     """ids [T] (int64 or int32) -> sorted ids [T] int32 and order [T] int64, with per-chunk
     ranges [MAX_CHUNKS, 2] int64 for the host. Workspace: counts [2 MAX_CHUNKS, DIGITS] int32
@@ -171,14 +190,7 @@ class IdRadixSort:
         chunk, _, _ = cute.arch.block_idx()
         chunk_count, _, _ = cute.arch.grid_dim()
         smem = cutlass.memory.SmemAllocator()
-        keys = cute.make_rmem_tensor((ROUNDS,), Int32)
-        digits = cute.make_rmem_tensor((ROUNDS,), Int32)
-        for r in cutlass.range_constexpr(ROUNDS):
-            token = _token(chunk, tidx, r)
-            keys[r], digits[r] = Int32(0), Int32(NO_DIGIT)
-            if token < cute.size(m_ids):
-                keys[r] = Int32(m_ids[token]) & (MAX_VOCAB - 1)
-                digits[r] = keys[r] & (DIGITS - 1)
+        keys, digits = _chunk_keys(m_ids, cute.size(m_ids), chunk, tidx, False)
         positions = _positions(smem, digits, m_counts, 0, chunk, chunk_count, tidx)
         for r in cutlass.range_constexpr(ROUNDS):
             if digits[r] != NO_DIGIT:
@@ -195,14 +207,7 @@ class IdRadixSort:
         chunk, _, _ = cute.arch.block_idx()
         chunk_count, _, _ = cute.arch.grid_dim()
         smem = cutlass.memory.SmemAllocator()
-        keys = cute.make_rmem_tensor((ROUNDS,), Int32)
-        digits = cute.make_rmem_tensor((ROUNDS,), Int32)
-        for r in cutlass.range_constexpr(ROUNDS):
-            token = _token(chunk, tidx, r)
-            keys[r], digits[r] = Int32(0), Int32(NO_DIGIT)
-            if token < cute.size(m_sorted):
-                keys[r] = m_keys[token]
-                digits[r] = keys[r] >> DIGIT_BITS
+        keys, digits = _chunk_keys(m_keys, cute.size(m_sorted), chunk, tidx, True)
         positions = _positions(smem, digits, m_counts, MAX_CHUNKS, chunk, chunk_count, tidx)
         for r in cutlass.range_constexpr(ROUNDS):
             if digits[r] != NO_DIGIT:
