@@ -165,7 +165,8 @@ def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab):
     from cutebwd.kernels.runtime import device_arch, ffi_function
 
     run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(0)))
-    counts, ranges, _, keys, positions, sorted_all, order_all = id_radix.Workspace(torch.device("cuda", torch.cuda.current_device())).get()
+    workspace = id_radix.Workspace(torch.device("cuda", torch.cuda.current_device()))
+    counts, ranges, _, keys, positions, sorted_all, order_all, *_ = workspace.get()
     ids = torch.randint(0, vocab, (tokens,), device="cuda", dtype=dtype)
     sorted_ids, order = sorted_all[:tokens].fill_(-5), order_all[:tokens].fill_(-5)
     run(ids, counts, ranges, keys, positions, sorted_ids, order, vocab)
