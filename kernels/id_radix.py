@@ -1,8 +1,8 @@
 """087's index pass for large calls, native: a stable LSD radix sort of the token ids on two
 8-bit digits, three kernels in one FFI call. It replaces the range pass, PyTorch's stable
 sort (ten operations: a copy, an index fill, four memsets, a histogram, a scan, two
-onesweep passes) and the widening, ~35 us of kernels and launch gaps at 32K tokens
-(tools/reports/087-notes.md, session 11).
+onesweep passes) and the widening: 24 us less a call at 32K tokens (tools/reports/087-notes.md,
+session 11).
 
 The ids are cut into chunks of CHUNK tokens, one CTA each, in every kernel:
 1. `counts`: per chunk, the smallest and largest id (for the host's check and the verdict
@@ -47,8 +47,8 @@ def chunks(tokens: int) -> int:
 
 
 @cute.jit
-def _block_range(smem, smallest, largest, tidx):
-    """(smallest, largest) over the CTA: a tree over shared memory."""
+def block_range(smem, smallest, largest, tidx):
+    """(smallest, largest) over a CTA of THREADS threads: a tree over shared memory."""
     lows = smem.allocate_tensor(Int64, cute.make_layout((THREADS,)), byte_alignment=16)
     highs = smem.allocate_tensor(Int64, cute.make_layout((THREADS,)), byte_alignment=16)
     lows[tidx] = smallest
@@ -178,7 +178,7 @@ class IdRadixSort:
                 smallest = cutlass.min(smallest, token_id)
                 largest = cutlass.max(largest, token_id)
                 cute.arch.atomic_add(histogram.iterator + (Int32(token_id) & (DIGITS - 1)), Int32(1))
-        smallest, largest = _block_range(smem, smallest, largest, tidx)  # its barriers order the histogram
+        smallest, largest = block_range(smem, smallest, largest, tidx)  # its barriers order the histogram
         m_counts[chunk, tidx] = histogram[tidx]
         if tidx == 0:
             m_ranges[chunk, 0] = smallest

@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Int16, Int32, Int64
 
 from . import runtime
+from .id_radix import THREADS as RADIX_THREADS, block_range
 
 TOKEN_BITS = 10
 MAX_TOKENS = 1 << TOKEN_BITS
@@ -98,7 +99,7 @@ class RangeAndKeys:
     """
 
     CTAS = 16
-    THREADS = 256
+    THREADS = RADIX_THREADS  # block_range's
 
     @cute.jit
     def __call__(self, ids: cute.Tensor, keys: cute.Tensor, ranges: cute.Tensor, stream: cuda.CUstream):
@@ -110,8 +111,6 @@ class RangeAndKeys:
         bidx, _, _ = cute.arch.block_idx()
         tokens = cute.size(m_ids)
         smem = cutlass.memory.SmemAllocator()
-        lows = smem.allocate_tensor(Int64, cute.make_layout((self.THREADS,)), byte_alignment=16)
-        highs = smem.allocate_tensor(Int64, cute.make_layout((self.THREADS,)), byte_alignment=16)
         smallest, largest = Int64(2**63 - 1), Int64(-(2**63))
         # CTA c reads every CTAS-th block of THREADS ids: coalesced, and every CTA busy.
         for i in cutlass.range(bidx * self.THREADS + tidx, tokens, self.CTAS * self.THREADS, unroll=4):
@@ -119,19 +118,10 @@ class RangeAndKeys:
             smallest = cutlass.min(smallest, token_id)
             largest = cutlass.max(largest, token_id)
             m_keys[i] = Int16(Int32(token_id) - KEY_SHIFT)
-        lows[tidx] = smallest
-        highs[tidx] = largest
-        cute.arch.barrier()
-        half = self.THREADS // 2
-        while half > 0:  # a tree over shared memory, log2(THREADS) barriers
-            if tidx < half:
-                lows[tidx] = cutlass.min(lows[tidx], lows[tidx + half])
-                highs[tidx] = cutlass.max(highs[tidx], highs[tidx + half])
-            cute.arch.barrier()
-            half = half // 2
+        smallest, largest = block_range(smem, smallest, largest, tidx)
         if tidx == 0:
-            m_ranges[bidx, 0] = lows[0]
-            m_ranges[bidx, 1] = highs[0]
+            m_ranges[bidx, 0] = smallest
+            m_ranges[bidx, 1] = largest
 
 
 class WidenKeys:
