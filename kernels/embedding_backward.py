@@ -385,8 +385,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     """L1/087: -> (grad_embedding [vocab_size, H] bf16, grad_weight [H] fp32), as semantics.md says.
 
     grad_output bf16 and hidden_states fp32 [b, s, H] (any batch/seq strides that are multiples
-    of 4 elements, contiguous last dim); input_ids int64 or int32 [b, s]; rstd fp32 [b, s, 1];
-    weight fp32 [H]; H a multiple of 8 up to 16384.
+    of 4 elements, contiguous last dim); input_ids int64 or int32 [b, s] (the kernels read
+    them flat: ids whose [b, s] view is not one flat run are copied first, T ids, one small
+    PyTorch copy); rstd fp32 [b, s, 1]; weight fp32 [H]; H a multiple of 8 up to 16384.
     - Without `out`: the table is allocated and zero-filled (torch.zeros), then the touched
       rows are written.
     - `out=(grad_embedding, grad_weight)`: written in place; the table is zero-filled first
