@@ -371,7 +371,8 @@ def _raise_if_out_of_range(smallest, largest, vocab_size):
 
 
 def _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size):
-    """Waits for RangeAndKeys's per-CTA ranges to reach pinned memory, then checks them."""
+    """Waits for the index pass's id ranges (RangeAndKeys's per CTA, the radix sort's per chunk)
+    to reach pinned memory, then checks them."""
     range_ready.synchronize()
     lows, highs = zip(*cta_ranges.tolist())
     _raise_if_out_of_range(min(lows), max(highs), vocab_size)
