@@ -108,14 +108,21 @@ class Sm100Gemm:
         a_smem = sm100.make_smem_layout_a(tiled_mma, self.mma_tiler, BFloat16, stages)
         b_smem = sm100.make_smem_layout_b(tiled_mma, self.mma_tiler, BFloat16, stages)
 
-        tma_a, ta = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), a,
-            cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
-        tma_b, tb = cute.nvgpu.make_tiled_tma_atom_B(
-            sm100.cluster_shape_to_tma_atom_B(self.cluster, tiled_mma.thr_id), b,
-            cute.slice_(b_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
-        tma_c, tc = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
-                                                cute.select(c_smem, mode=[0, 1]), epi_tile)
+        def load_a(x):
+            return cute.nvgpu.make_tiled_tma_atom_A(
+                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), x,
+                cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+
+        def load_b(x):
+            return cute.nvgpu.make_tiled_tma_atom_B(
+                sm100.cluster_shape_to_tma_atom_B(self.cluster, tiled_mma.thr_id), x,
+                cute.slice_(b_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+
+        def piece(op, x):  # an [M, N] tensor moved a piece at a time through C's shared memory
+            return cpasync.make_tiled_tma_atom(op, x, cute.select(c_smem, mode=[0, 1]), epi_tile)
+
+        store, load = cpasync.CopyBulkTensorTileS2GOp(), cpasync.CopyBulkTensorTileG2SOp()
+        (tma_a, ta), (tma_b, tb), (tma_c, tc) = load_a(a), load_b(b), piece(store, c)
         fused = ()  # a fused epilogue's TMA atoms and tensors: inputs loaded into C's slots, out1 stored
         # the epilogue's side tensors, moved by plain loads and stores (not TMA): its fp32 per-row
         # tensor, or its tables; both take one accumulator row a thread (128-row tiles stored
@@ -135,10 +142,7 @@ class Sm100Gemm:
                 in0 = in1 = None
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
-                op = cpasync.CopyBulkTensorTileS2GOp() if x is out1 else cpasync.CopyBulkTensorTileG2SOp()
-                atom, tensor = cpasync.make_tiled_tma_atom(op, batch_last(x), cute.select(c_smem, mode=[0, 1]),
-                                                           epi_tile)
-                fused += (atom, tensor)
+                fused += (*piece(store if x is out1 else load, batch_last(x)),)
         # bytes landing in one stage of the ring per MMA tile (both CTAs of a pair)
         tx_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, None, 0)))
                     + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, None, 0)))) \
@@ -149,20 +153,9 @@ class Sm100Gemm:
 
         grouped = ()  # the other products of a group: their A and C atoms and tensors (a sum: A and B)
         for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
-            tma_a_g, ta_g = cute.nvgpu.make_tiled_tma_atom_A(
-                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), batch_last(a_g),
-                cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
-            tma_b_g, tb_g = cute.nvgpu.make_tiled_tma_atom_B(
-                sm100.cluster_shape_to_tma_atom_B(self.cluster, tiled_mma.thr_id), batch_last(b_g),
-                cute.slice_(b_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
-            grouped += (tma_a_g, ta_g, tma_b_g, tb_g)
+            grouped += (*load_a(batch_last(a_g)), *load_b(batch_last(b_g)))
         for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
-            tma_a_g, ta_g = cute.nvgpu.make_tiled_tma_atom_A(
-                sm100.cluster_shape_to_tma_atom_A(self.cluster, tiled_mma.thr_id), batch_last(a_g),
-                cute.slice_(a_smem, (None, None, None, 0)), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
-            tma_c_g, tc_g = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), batch_last(c_g),
-                                                        cute.select(c_smem, mode=[0, 1]), epi_tile)
-            grouped += (tma_a_g, ta_g, tma_c_g, tc_g)
+            grouped += (*load_a(batch_last(a_g)), *piece(store, batch_last(c_g)))
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
         self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,

@@ -111,14 +111,21 @@ class Sm90Gemm:
         c_smem = sm90.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.c_buffers)
         # In a cluster, the CTAs of one cluster column share A's tile and those of one cluster
         # row share B's: each loads a slice and multicasts it to the others.
-        tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            tma_load_op(t.cluster_n), a, cute.slice_(a_smem, (None, None, 0)), (t.tile_m, t.tile_k),
-            num_multicast=t.cluster_n)
-        tma_b, tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            tma_load_op(t.cluster_m), b, cute.slice_(b_smem, (None, None, 0)), (t.tile_n, t.tile_k),
-            num_multicast=t.cluster_m)
-        tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
+        def load_a(x):
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(
+                tma_load_op(t.cluster_n), x, cute.slice_(a_smem, (None, None, 0)), (t.tile_m, t.tile_k),
+                num_multicast=t.cluster_n)
+
+        def load_b(x):
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(
+                tma_load_op(t.cluster_m), x, cute.slice_(b_smem, (None, None, 0)), (t.tile_n, t.tile_k),
+                num_multicast=t.cluster_m)
+
+        def piece(op, x):  # an [M, N] tensor moved a piece at a time through C's shared memory
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(op, x, cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
+
+        store, load = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        (tma_a, ta), (tma_b, tb), (tma_c, tc) = load_a(a), load_b(b), piece(store, c)
         # The epilogue's side tensors, moved by plain loads and stores (not TMA): its fp32
         # per-row tensor, or its tables.
         side = ()
@@ -133,30 +140,13 @@ class Sm90Gemm:
         fused = ()
         for x in (in0, in1, out1):
             if cutlass.const_expr(x is not None):
-                op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if x is out1 \
-                    else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-                atom, tensor = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    op, batch_last(x), cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
-                fused += (atom, tensor)
-
+                fused += (*piece(store if x is out1 else load, batch_last(x)),)
         # The other products of a group: their A and C (a sum: their A and B), by TMA like the first's.
         grouped = ()
         for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
-            tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                tma_load_op(t.cluster_n), batch_last(a_g), cute.slice_(a_smem, (None, None, 0)),
-                (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
-            tma_b_g, tb_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                tma_load_op(t.cluster_m), batch_last(b_g), cute.slice_(b_smem, (None, None, 0)),
-                (t.tile_n, t.tile_k), num_multicast=t.cluster_m)
-            grouped += (tma_a_g, ta_g, tma_b_g, tb_g)
+            grouped += (*load_a(batch_last(a_g)), *load_b(batch_last(b_g)))
         for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
-            tma_a_g, ta_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                tma_load_op(t.cluster_n), batch_last(a_g), cute.slice_(a_smem, (None, None, 0)),
-                (t.tile_m, t.tile_k), num_multicast=t.cluster_n)
-            tma_c_g, tc_g = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), batch_last(c_g),
-                cute.slice_(c_smem, (None, None, 0)), self.epi_tile)
-            grouped += (tma_a_g, ta_g, tma_c_g, tc_g)
+            grouped += (*load_a(batch_last(a_g)), *piece(store, batch_last(c_g)))
 
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
