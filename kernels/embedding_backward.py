@@ -108,9 +108,11 @@ class EmbeddingRmsNormBackward:
         carries = cute.make_tensor(workspace.iterator + ctas * row_stride,
                                    cute.make_layout((2 * ctas, h), stride=(row_stride, 1)))
         status = cute.make_tensor(workspace.iterator + (workspace.shape[0] - 1) * row_stride, cute.make_layout(1))
+        # A programmatic dependent of whatever ran before it (the radix sort's last pass): it
+        # waits on griddepcontrol before reading anything but its inputs.
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], weight,
                     sorted_ids, order, table, partials, carries, status, ids).launch(
-            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
         self.fixup(sorted_ids, table, carries, ctas, stream, ids_ready=ids is None)
         self.column_sum(partials, grad_weight, stream, skip=status)
 
@@ -125,12 +127,21 @@ class EmbeddingRmsNormBackward:
         h, vpt, threads = self.hidden, self.vectors_per_thread, self.threads
         vectors = h // VECTOR
         smem = cutlass.memory.SmemAllocator()
+        loads = (wide_copy(BFloat16), wide_copy(Float32))
+        weight, grad_weight, g, xs, segment, old = (cute.make_rmem_tensor((VECTOR, vpt), Float32)
+                                                     for _ in range(6))
+        for t in (weight, grad_weight, g, xs, segment, old):
+            t.fill(0.0)
         if cutlass.const_expr(m_ids is not None):
             # The index pass on chip: from here on the sorted ids and their order are shared
             # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up.
+            cute.arch.griddepcontrol_wait()  # as before PDL: CTA 0 publishes where the last call's fix-up read
+            read_row(loads, (m_w,), (weight,), tidx, threads, vpt, vectors)
             in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, bidx == 0, tidx,
                                                    threads)
         else:
+            read_row(loads, (m_w,), (weight,), tidx, threads, vpt, vectors)  # an input: before the wait
+            cute.arch.griddepcontrol_wait()  # the sorted ids and order are complete past this point
             in_range = ids_in_range(m_sorted, m_table.shape[0])
         tokens = cute.size(m_sorted)
         lo, hi = range_start(bidx, tokens, ctas), range_start(bidx + 1, tokens, ctas)
@@ -140,12 +151,6 @@ class EmbeddingRmsNormBackward:
             hi = lo  # no rows, so no table writes (partials go to the workspace only)
 
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
-        loads = (wide_copy(BFloat16), wide_copy(Float32))
-        weight, grad_weight, g, xs, segment, old = (cute.make_rmem_tensor((VECTOR, vpt), Float32)
-                                                     for _ in range(6))
-        for t in (weight, grad_weight, g, xs, segment, old):
-            t.fill(0.0)
-        read_row(loads, (m_w,), (weight,), tidx, threads, vpt, vectors)
 
         # The first segment began in an earlier range: its sum here is a head partial.
         head = Int32(0)
@@ -452,12 +457,17 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     elif vocab_size <= id_radix.MAX_VOCAB and tokens <= id_radix.MAX_TOKENS:
         # The native index pass (id_radix): three kernels in one call, the verdict on the
         # first sorted id, the chunks' ranges to pinned memory for the host's check.
-        counts, chunk_ranges, pinned, keys, positions, sorted_all, order_all = entry.radix.get()
+        counts, chunk_ranges, pinned, keys, positions, sorted_all, order_all, aside, sorted_done = entry.radix.get()
         sorted_ids, order = sorted_all[:tokens], order_all[:tokens]
         entry.run_radix_sort(ids, counts, chunk_ranges, keys, positions, sorted_ids, order, vocab_size)
         cta_ranges = pinned[:id_radix.chunks(tokens)]
-        cta_ranges.copy_(chunk_ranges[:len(cta_ranges)], non_blocking=True)
-        range_ready.record()
+        # The ranges go to the host on a side stream, so no copy sits between the sort and the
+        # row kernel on the call's stream: the row kernel launches as the sort's dependent.
+        sorted_done.record()
+        with torch.cuda.stream(aside):
+            aside.wait_event(sorted_done)
+            cta_ranges.copy_(chunk_ranges[:len(cta_ranges)], non_blocking=True)
+            range_ready.record()
         range_after = not zero_fill
         if zero_fill:
             _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size)
