@@ -394,7 +394,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     of 4 elements, contiguous last dim); input_ids int64 or int32 [b, s] (the kernels read
     them flat: ids whose [b, s] view is not one flat run are copied first, T ids, one small
     PyTorch copy); rstd fp32 [b, s, 1]; weight fp32 [H]; H a multiple of 8 up to 16384.
-    - Without `out`: the table is allocated and zero-filled (torch.zeros), then the touched
+    - Without `out`: the table is allocated and zero-filled (a memset), then the touched
       rows are written.
     - `out=(grad_embedding, grad_weight)`: written in place; the table is zero-filled first
       unless `accumulate=True`, which adds this step's rows into it, reading and writing
@@ -424,9 +424,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         key = (hidden, bool(accumulate), input_ids.dtype, device.index)
         entry = _entries.setdefault(key, _Entry(hidden, bool(accumulate), input_ids.dtype, device))
     tokens = batch * seq
-    zero_fill = out is not None and not accumulate  # a fresh table is zeroed by torch.zeros
+    zero_fill = out is not None and not accumulate  # a fresh table is zeroed as it is made
     if out is None:
-        out = (torch.zeros((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device),
+        out = (runtime.zero_fill(torch.empty((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device)),
                torch.empty(hidden, dtype=torch.float32, device=entry.device))
     elif not (accumulate and type(out) is tuple and len(out) == 2 and isinstance(out[0], torch.Tensor)
               and out[0].shape[:1] == (vocab_size,)):
@@ -495,7 +495,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         range_ready.synchronize()
         _raise_if_out_of_range(*cta_ranges[0].tolist(), vocab_size)
     if zero_fill:
-        table.zero_()
+        runtime.zero_fill(table)
     try:
         if on_chip:
             entry.run_sort_on_chip(grad_output, hidden_states, rstd, weight, ids, sorted_on_chip, table, grad_weight,

@@ -76,7 +76,7 @@ def _positions(smem, digits, m_counts, count_row, chunk, chunk_count, tidx):
         warp_counts[w, tidx] = Int32(0)
     # Digit tidx: its count over all chunks and over the earlier ones (independent loads).
     total, before = Int32(0), Int32(0)
-    for c in cutlass.range(chunk_count, unroll=8):
+    for c in cutlass.range(chunk_count, unroll=16):
         n = m_counts[count_row + c, tidx]
         total += n
         if c < chunk:
@@ -216,15 +216,23 @@ class IdRadixSort:
         cute.arch.griddepcontrol_launch_dependents()  # the row kernel
         cute.arch.griddepcontrol_wait()  # the low pass's keys and counts are complete past this point
         keys, digits = _chunk_keys(m_keys, cute.size(m_sorted), chunk, tidx, True)
+        # The ranges' verdict, one chunk a thread (a loop in the one thread that writes position
+        # 0 cost a dependent load per chunk on the sort's critical path).
+        bad = smem.allocate_tensor(Int32, cute.make_layout((1,)), byte_alignment=16)
+        if tidx == 0:
+            bad[0] = Int32(0)
+        cute.arch.barrier()
+        if tidx < chunk_count:
+            if m_ranges[tidx, 0] < 0 or m_ranges[tidx, 1] >= Int64(vocab):
+                bad[0] = Int32(1)
+        # _positions's barriers order `bad` for the reads below.
         positions = _positions(smem, digits, m_counts, MAX_CHUNKS, chunk, chunk_count, tidx)
         for r in cutlass.range_constexpr(ROUNDS):
             if digits[r] != NO_DIGIT:
                 p = positions[r]
                 sorted_id = keys[r]
-                if p == 0:  # the verdict rides on the first sorted id (module docstring)
-                    for c in cutlass.range(chunk_count):
-                        if m_ranges[c, 0] < 0 or m_ranges[c, 1] >= Int64(vocab):
-                            sorted_id = Int32(-1)
+                if p == 0 and bad[0] == 1:  # the verdict rides on the first sorted id (module docstring)
+                    sorted_id = Int32(-1)
                 m_sorted[p] = sorted_id
                 m_order[p] = Int64(m_tokens[_token(chunk, tidx, r)])
 
