@@ -74,6 +74,18 @@ def test_accumulate_adds_into_the_table(same_ids):
 
 
 @pytest.mark.gpu
+def test_fresh_table_zeroes_every_row_no_token_touches():
+    # The radix path without `out`: the table comes from torch.empty and the row kernel zeroes
+    # the untouched rows itself; a NaN block just freed (and likely handed out again) must not
+    # show through anywhere.
+    inputs = PROBLEM.make_inputs(2, 4096, device="cuda", seed=5)
+    expected = PROBLEM.reference(*inputs, fp32_outputs=True)
+    torch.full((65536, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = kernel(*inputs)
+    assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
+
+
+@pytest.mark.gpu
 def test_bitwise_repeatable_with_heavy_duplication():
     dims = {"vocab": 64, "hidden": 4096}
     inputs = PROBLEM.make_inputs(8, 2048, device="cuda", seed=9, dims=dims)
