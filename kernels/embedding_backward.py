@@ -250,8 +250,12 @@ class EmbeddingRmsNormBackward:
         zeros = cute.make_rmem_tensor((VECTOR, self.vectors_per_thread), Float32)
         zeros.fill(0.0)
         rows = m_table.shape[0]
-        for r in cutlass.range(range_start(bidx, rows, ctas), range_start(bidx + 1, rows, ctas)):
-            if ((m_touched[r >> 5] >> (r & 31)) & 1) == 0:
+        first, last = range_start(bidx, rows, ctas), range_start(bidx + 1, rows, ctas)
+        word = m_touched[first >> 5]  # one load per 32 rows, not one per row
+        for r in cutlass.range(first, last):
+            if (r & 31) == 0:
+                word = m_touched[r >> 5]
+            if ((word >> (r & 31)) & 1) == 0:
                 store_row(wide_copy(BFloat16), zeros, m_table[r, None], tidx, self.threads, self.vectors_per_thread,
                           self.hidden // VECTOR)
 
