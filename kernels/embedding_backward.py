@@ -26,6 +26,11 @@ a call; where it waits depends on the call's size (measured, tools/reports/087-n
   vocabularies above 65536 ids: aminmax and an int32 sort, the host waiting for the range
   before the launches.
 
+Fresh tables: on the radix path the sort also marks the ids present in a bitmap and the row
+kernel zeroes the unmarked rows (an even cut of the table's rows per CTA) beside its own
+writes, so each row is written once and no host check has to precede a fill; elsewhere a
+memset fills the table first.
+
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
 013), adds dx into a running fp32 segment sum, and writes a table row when a segment (one id)
@@ -97,8 +102,20 @@ class EmbeddingRmsNormBackward:
                     workspace, ctas, stream)
 
     @cute.jit
+    def zeroing_untouched(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
+                          weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, touched: cute.Tensor,
+                          table: cute.Tensor, grad_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32,
+                          stream: cuda.CUstream):
+        """A fresh table on the radix path, not zero-filled beforehand: `touched` is the sort's
+        bitmap of the ids present (id_radix), and each CTA zeroes its share of the rows no token
+        touches, so every row is written once."""
+        assert not self.accumulate, "only a fresh table is zeroed"
+        self.launch(grad_output, hidden_states, rstd, weight, sorted_ids, order, None, table, grad_weight,
+                    workspace, ctas, stream, touched)
+
+    @cute.jit
     def launch(self, grad_output, hidden_states, rstd, weight, sorted_ids, order, ids, table, grad_weight,
-               workspace, ctas, stream):
+               workspace, ctas, stream, touched=None):
         """workspace rows: [0, ctas) grad_weight partials; ctas + 2c and ctas + 2c + 1 the head
         and tail segment partials of range c; the last row's first element the id status (1.0:
         an id out of range, nothing written)."""
@@ -111,7 +128,7 @@ class EmbeddingRmsNormBackward:
         # A programmatic dependent of whatever ran before it (the radix sort's last pass): it
         # waits on griddepcontrol before reading anything but its inputs.
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], weight,
-                    sorted_ids, order, table, partials, carries, status, ids).launch(
+                    sorted_ids, order, table, partials, carries, status, ids, touched).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
         self.fixup(sorted_ids, table, carries, ctas, stream, ids_ready=ids is None)
         self.column_sum(partials, grad_weight, stream, skip=status)
@@ -119,7 +136,7 @@ class EmbeddingRmsNormBackward:
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
                m_sorted: cute.Tensor, m_order, m_table: cute.Tensor, m_part: cute.Tensor,
-               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids):
+               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_touched):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -170,6 +187,9 @@ class EmbeddingRmsNormBackward:
                     self.fetch(fetches, m_go, m_x, m_rstd, m_table, m_sorted, Int32(m_order[lo + j]), lo + j,
                                rows_ring, rstd_ring, j, tidx)
                 cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(m_touched is not None):
+            if in_range == 1:  # with the ring's first rows in flight
+                self.zero_untouched(m_table, m_touched, bidx, ctas, tidx)
         for p in cutlass.range(lo, hi):
             if cutlass.const_expr(ring > 0):
                 ahead = p + ring - 1
@@ -222,6 +242,22 @@ class EmbeddingRmsNormBackward:
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
 
+
+    @cute.jit
+    def zero_untouched(self, m_table, m_touched, bidx, ctas, tidx):
+        """Zeroes the rows of this CTA's share of the table (an even cut of [0, V)) whose bit in
+        m_touched is clear: rows no token touches, which no other write reaches."""
+        zeros = cute.make_rmem_tensor((VECTOR, self.vectors_per_thread), Float32)
+        zeros.fill(0.0)
+        rows = m_table.shape[0]
+        first, last = range_start(bidx, rows, ctas), range_start(bidx + 1, rows, ctas)
+        word = m_touched[first >> 5]  # one load per 32 rows, not one per row
+        for r in cutlass.range(first, last):
+            if (r & 31) == 0:
+                word = m_touched[r >> 5]
+            if ((word >> (r & 31)) & 1) == 0:
+                store_row(wide_copy(BFloat16), zeros, m_table[r, None], tidx, self.threads, self.vectors_per_thread,
+                          self.hidden // VECTOR)
 
     @cute.jit
     def fetch(self, fetches, m_go, m_x, m_rstd, m_table, m_sorted, token, p, rows_ring, rstd_ring, slot, tidx):
@@ -280,14 +316,20 @@ def _fake_args(hidden: int, ids_dtype=None):
             *ids_or_order, table, weight, workspace, Int32(1))
 
 
-def _build(hidden: int, accumulate: bool, arch: str, dump_dir=None, ids_dtype=None):
+def _build(hidden: int, accumulate: bool, arch: str, dump_dir=None, ids_dtype=None, touched: bool = False):
     """Without `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's
-    id dtype (see the call); with it (Int64 or Int32) the raw ids, sorted on chip."""
+    id dtype (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `touched`
+    (a fresh table, ids sorted beforehand): the row kernel also zeroes the rows the radix
+    sort's bitmap leaves clear."""
     op = EmbeddingRmsNormBackward(hidden, accumulate)
+    args = list(_fake_args(hidden, ids_dtype))
+    entry = op if ids_dtype is None else op.sort_on_chip
+    if touched:
+        entry = op.zeroing_untouched
+        args.insert(6, runtime.fake_tensor(Int32, (id_radix.TOUCHED_WORDS,), (1,), 16))
     return runtime.compile_kernel(
-        ("embedding_rmsnorm_backward", hidden, accumulate, str(ids_dtype)),
-        op if ids_dtype is None else op.sort_on_chip, *_fake_args(hidden, ids_dtype), runtime.env_stream(),
-        arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+        ("embedding_rmsnorm_backward", hidden, accumulate, str(ids_dtype), touched), entry, *args,
+        runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
 def _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size):
@@ -342,7 +384,10 @@ class _Entry:
         self.run_sort_on_chip = runtime.ffi_function(_build(hidden, accumulate, arch, ids_dtype=ids))
         self.run_range_and_keys = runtime.ffi_function(build_range_and_keys(ids, arch))
         self.run_widen_keys = runtime.ffi_function(build_widen_keys(arch))
-        self.run_radix_sort = runtime.ffi_function(id_radix.build(ids, arch))
+        self.run_radix_sort = runtime.ffi_function(id_radix.build(ids, arch, mark_touched=not accumulate))
+        # fresh tables on the radix path: the row kernel zeroes the untouched rows itself
+        self.run_zeroing_untouched = None if accumulate else runtime.ffi_function(
+            _build(hidden, False, arch, touched=True))
         self.radix = id_radix.Workspace(device)
         # grad_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)
@@ -395,9 +440,10 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     them flat: ids whose [b, s] view is not one flat run are copied first, T ids, one small
     PyTorch copy); rstd fp32 [b, s, 1]; weight fp32 [H]; H a multiple of 8 up to 16384.
     - Without `out`: the table is allocated and zero-filled (a memset), then the touched
-      rows are written.
-    - `out=(grad_embedding, grad_weight)`: written in place; the table is zero-filled first
-      unless `accumulate=True`, which adds this step's rows into it, reading and writing
+      rows are written; on the radix path (below) the row kernel writes every row once
+      instead: the touched rows their sums, the others zeros.
+    - `out=(grad_embedding, grad_weight)`: written in place; the table is zero-filled the same
+      way unless `accumulate=True`, which adds this step's rows into it, reading and writing
       only the touched rows.
     Repeated ids are summed in fp32 in token order and each touched row is rounded to bf16
     once: bitwise repeatable. Ids outside [0, vocab_size) raise ValueError and nothing is
@@ -424,9 +470,14 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         key = (hidden, bool(accumulate), input_ids.dtype, device.index)
         entry = _entries.setdefault(key, _Entry(hidden, bool(accumulate), input_ids.dtype, device))
     tokens = batch * seq
-    zero_fill = out is not None and not accumulate  # a fresh table is zeroed as it is made
+    radix = DEVICE_CHECK_MAX_TOKENS < tokens <= id_radix.MAX_TOKENS and vocab_size <= id_radix.MAX_VOCAB
+    # A fresh table is zero-filled up front (a memset), except on the radix path: there the row
+    # kernel zeroes the rows no token touches, so no row is written twice.
+    zeroes_untouched = radix and not accumulate
+    zero_fill = out is not None and not accumulate and not zeroes_untouched  # the caller's table
     if out is None:
-        out = (runtime.zero_fill(torch.empty((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device)),
+        table = torch.empty((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device)
+        out = (table if zeroes_untouched else runtime.zero_fill(table),
                torch.empty(hidden, dtype=torch.float32, device=entry.device))
     elif not (accumulate and type(out) is tuple and len(out) == 2 and isinstance(out[0], torch.Tensor)
               and out[0].shape[:1] == (vocab_size,)):
@@ -454,12 +505,14 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
             sorted_ids, order = torch.sort(keys, stable=True)
         if zero_fill:  # the fill must not run for bad ids: here the host waits before it
             _raise_if_out_of_range(*_id_range(ids), vocab_size)
-    elif vocab_size <= id_radix.MAX_VOCAB and tokens <= id_radix.MAX_TOKENS:
+    elif radix:
         # The native index pass (id_radix): three kernels in one call, the verdict on the
-        # first sorted id, the chunks' ranges to pinned memory for the host's check.
-        counts, chunk_ranges, pinned, keys, positions, sorted_all, order_all, aside, sorted_done = entry.radix.get()
+        # first sorted id, the chunks' ranges to pinned memory for the host's check (and, for
+        # a fresh table, the bitmap of the ids present).
+        counts, chunk_ranges, pinned, keys, positions, sorted_all, order_all, touched, aside, sorted_done = \
+            entry.radix.get()
         sorted_ids, order = sorted_all[:tokens], order_all[:tokens]
-        entry.run_radix_sort(ids, counts, chunk_ranges, keys, positions, sorted_ids, order, vocab_size)
+        entry.run_radix_sort(ids, counts, chunk_ranges, keys, positions, sorted_ids, order, touched, vocab_size)
         cta_ranges = pinned[:id_radix.chunks(tokens)]
         # The ranges go to the host on a side stream, so no copy sits between the sort and the
         # row kernel on the call's stream: the row kernel launches as the sort's dependent.
@@ -468,9 +521,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
             aside.wait_event(sorted_done)
             cta_ranges.copy_(chunk_ranges[:len(cta_ranges)], non_blocking=True)
             range_ready.record()
-        range_after = not zero_fill
-        if zero_fill:
-            _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size)
+        range_after = True  # no fill waits for it: a fresh table's zeros come from the row kernel
     elif vocab_size <= KEYS_MAX_VOCAB:
         # One kernel reads the ids once for their range (per CTA) and int16 sort keys (two
         # radix passes instead of int32's four); the ranges go to pinned memory. The widened
@@ -500,6 +551,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         if on_chip:
             entry.run_sort_on_chip(grad_output, hidden_states, rstd, weight, ids, sorted_on_chip, table, grad_weight,
                                    workspace, min(tokens, entry.max_ctas))
+        elif zeroes_untouched:
+            entry.run_zeroing_untouched(grad_output, hidden_states, rstd, weight, sorted_ids, order, touched, table,
+                                        grad_weight, workspace, min(tokens, entry.max_ctas))
         else:
             entry.run(grad_output, hidden_states, rstd, weight, sorted_ids, order, table, grad_weight,
                       workspace, min(tokens, entry.max_ctas))
@@ -523,6 +577,8 @@ AUDIT_BUILDS = {
 }
 AUDIT_BUILDS["embedding_rmsnorm_backward[H=4096,accumulate,ids sorted on chip]"] = \
     lambda arch, dump_dir: _build(4096, True, arch, dump_dir, ids_dtype=Int64)
+AUDIT_BUILDS["embedding_rmsnorm_backward[H=4096,fresh,zeroes untouched rows]"] = \
+    lambda arch, dump_dir: _build(4096, False, arch, dump_dir, touched=True)
 # 128-bit loads of hidden_states, weight and the partials; no spills; no atomics (every sum
 # has a fixed order).
 AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}

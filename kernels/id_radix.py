@@ -40,6 +40,7 @@ NO_DIGIT = DIGITS  # a lane past the last token: matches no digit
 MAX_CHUNKS = 128  # each CTA reads every chunk's count of its digit
 MAX_TOKENS = CHUNK * MAX_CHUNKS
 MAX_VOCAB = 1 << (2 * DIGIT_BITS)
+TOUCHED_WORDS = MAX_VOCAB // 32  # the bitmap of ids present, one bit an id
 
 
 def chunks(tokens: int) -> int:
@@ -149,25 +150,37 @@ class IdRadixSort:
     """ids [T] (int64 or int32) -> sorted ids [T] int32 and order [T] int64, with per-chunk
     ranges [MAX_CHUNKS, 2] int64 for the host. Workspace: counts [2 MAX_CHUNKS, DIGITS] int32
     (low digits per input chunk, then high digits per low-pass output chunk), keys and tokens
-    [MAX_TOKENS] int32 between the passes."""
+    [MAX_TOKENS] int32 between the passes.
+
+    With `mark_touched`, also `touched` [TOUCHED_WORDS] int32: bit k set when id k occurs (key
+    k, so exact once the range check passes). The counts pass zeroes it and the low pass sets
+    the bits, one integer atomic OR per distinct id in each warp's round: an order-free result.
+    087's fresh tables use it to zero only the rows no token touches."""
+
+    def __init__(self, mark_touched: bool = False):
+        self.mark_touched = mark_touched
 
     @cute.jit
     def __call__(self, ids: cute.Tensor, counts: cute.Tensor, ranges: cute.Tensor, keys: cute.Tensor,
-                 tokens: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, vocab: Int32,
-                 stream: cuda.CUstream):
+                 tokens: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, touched: cute.Tensor,
+                 vocab: Int32, stream: cuda.CUstream):
         # The passes are programmatic dependents: launched while the kernel before runs, they
         # wait on griddepcontrol before reading what it wrote (one launch latency saved each).
         grid = [cute.ceil_div(cute.size(ids), CHUNK), 1, 1]
-        self.counts(ids, counts, ranges).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
-        self.low_pass(ids, counts, keys, tokens).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
-                                                        use_pdl=True)
+        self.counts(ids, counts, ranges, touched).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.low_pass(ids, counts, keys, tokens, touched).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
+                                                                 use_pdl=True)
         self.high_pass(keys, tokens, counts, ranges, sorted_ids, order, vocab).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def counts(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor):
+    def counts(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor, m_touched: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, _, _ = cute.arch.block_idx()
+        chunk_count, _, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(self.mark_touched):
+            for word in cutlass.range(chunk * THREADS + tidx, TOUCHED_WORDS, chunk_count * THREADS):
+                m_touched[word] = Int32(0)  # the low pass sets bits once this grid completes
         cute.arch.griddepcontrol_launch_dependents()  # the low pass may launch; it waits for this grid
         smem = cutlass.memory.SmemAllocator()
         histogram = smem.allocate_tensor(Int32, cute.make_layout((DIGITS,)), byte_alignment=16)
@@ -189,7 +202,8 @@ class IdRadixSort:
             m_ranges[chunk, 1] = largest
 
     @cute.kernel
-    def low_pass(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_keys: cute.Tensor, m_tokens: cute.Tensor):
+    def low_pass(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_keys: cute.Tensor, m_tokens: cute.Tensor,
+                 m_touched: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, _, _ = cute.arch.block_idx()
         chunk_count, _, _ = cute.arch.grid_dim()
@@ -198,6 +212,14 @@ class IdRadixSort:
         keys, digits = _chunk_keys(m_ids, cute.size(m_ids), chunk, tidx, False)  # the ids: an input
         cute.arch.griddepcontrol_wait()  # the counts are complete past this point
         positions = _positions(smem, digits, m_counts, 0, chunk, chunk_count, tidx)
+        if cutlass.const_expr(self.mark_touched):
+            for r in cutlass.range_constexpr(ROUNDS):
+                key = Int32(-1)  # past the last token: matches only its like and marks nothing
+                if digits[r] != NO_DIGIT:
+                    key = keys[r]
+                peers = cute.arch.match_sync(0xFFFFFFFF, key)
+                if key >= 0 and (peers & cute.arch.lanemask_gt()) == 0:  # the last lane with this id
+                    cute.arch.atomic_or(m_touched.iterator + (key >> 5), Int32(1) << (key & 31))
         for r in cutlass.range_constexpr(ROUNDS):
             if digits[r] != NO_DIGIT:
                 p = positions[r]
@@ -237,23 +259,24 @@ class IdRadixSort:
                 m_order[p] = Int64(m_tokens[_token(chunk, tidx, r)])
 
 
-def build(ids_dtype, arch: str, dump_dir=None):
+def build(ids_dtype, arch: str, dump_dir=None, mark_touched: bool = False):
     """IdRadixSort for int64 or int32 ids (Int64 / Int32), called with torch tensors."""
     tokens = cute.sym_int32()
     return runtime.compile_kernel(
-        ("087 id radix sort", str(ids_dtype)), IdRadixSort(),
+        ("087 id radix sort", str(ids_dtype), mark_touched), IdRadixSort(mark_touched),
         runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8),
         runtime.fake_tensor(Int32, (2 * MAX_CHUNKS, DIGITS), (DIGITS, 1), 16),
         runtime.fake_tensor(Int64, (MAX_CHUNKS, 2), (2, 1), 16),
         runtime.fake_tensor(Int32, (MAX_TOKENS,), (1,), 16), runtime.fake_tensor(Int32, (MAX_TOKENS,), (1,), 16),
         runtime.fake_tensor(Int32, (tokens,), (1,), 4), runtime.fake_tensor(Int64, (tokens,), (1,), 8),
-        Int32(1), runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+        runtime.fake_tensor(Int32, (TOUCHED_WORDS,), (1,), 16), Int32(1), runtime.env_stream(), arch=arch,
+        dump_dir=dump_dir, tvm_ffi=True)
 
 
 class Workspace(runtime.StreamWorkspace):
     """Per stream: counts, ranges (device and pinned), keys and tokens between the passes,
-    sorted ids and order (the row kernel reads views of the last two), a side stream for the
-    ranges' copy to the host and the event it waits for."""
+    sorted ids and order (the row kernel reads views of the last two), the touched-id bitmap,
+    a side stream for the ranges' copy to the host and the event it waits for."""
 
     def __init__(self, device):
         super().__init__(0, 0, device)
@@ -266,10 +289,13 @@ class Workspace(runtime.StreamWorkspace):
 
         return (ints(2 * MAX_CHUNKS, DIGITS), ints(MAX_CHUNKS, 2, dtype=torch.int64),
                 torch.empty(MAX_CHUNKS, 2, dtype=torch.int64, pin_memory=True), ints(MAX_TOKENS), ints(MAX_TOKENS),
-                ints(MAX_TOKENS), ints(MAX_TOKENS, dtype=torch.int64), torch.cuda.Stream(self.device),
-                torch.cuda.Event())
+                ints(MAX_TOKENS), ints(MAX_TOKENS, dtype=torch.int64), ints(TOUCHED_WORDS),
+                torch.cuda.Stream(self.device), torch.cuda.Event())
 
 
-AUDIT_BUILDS = {"embedding_rmsnorm_backward ids radix sort": lambda arch, dump_dir: build(Int64, arch, dump_dir)}
-# 8-byte id loads, 8-byte order stores, the warp match; integer atomics for counts only.
+AUDIT_BUILDS = {"embedding_rmsnorm_backward ids radix sort": lambda arch, dump_dir: build(Int64, arch, dump_dir),
+                "embedding_rmsnorm_backward ids radix sort, touched ids":
+                    lambda arch, dump_dir: build(Int64, arch, dump_dir, mark_touched=True)}
+# 8-byte id loads, 8-byte order stores, the warp match; integer atomics for counts and the
+# touched-id bitmap only.
 AUDIT_EXPECTS = {arch: {"require": ["LDG.64", "STG.64"], "forbid": ["LOCAL"]} for arch in runtime.ARCHES}

@@ -74,6 +74,18 @@ def test_accumulate_adds_into_the_table(same_ids):
 
 
 @pytest.mark.gpu
+def test_fresh_table_zeroes_every_row_no_token_touches():
+    # The radix path without `out`: the table comes from torch.empty and the row kernel zeroes
+    # the untouched rows itself; a NaN block just freed (and likely handed out again) must not
+    # show through anywhere.
+    inputs = PROBLEM.make_inputs(2, 4096, device="cuda", seed=5)
+    expected = PROBLEM.reference(*inputs, fp32_outputs=True)
+    torch.full((65536, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = kernel(*inputs)
+    assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
+
+
+@pytest.mark.gpu
 def test_bitwise_repeatable_with_heavy_duplication():
     dims = {"vocab": 64, "hidden": 4096}
     inputs = PROBLEM.make_inputs(8, 2048, device="cuda", seed=9, dims=dims)
@@ -158,22 +170,31 @@ def test_gpu_argument_errors():
 
 @pytest.mark.gpu
 # The radix sort alone: bitwise PyTorch's stable sort (ids and order) at a ragged chunk, 32K
-# tokens and MAX_TOKENS, int32 and int64 ids, one id everywhere; a bad id leaves -1 first.
+# tokens and MAX_TOKENS, int32 and int64 ids, one id everywhere; a bad id leaves -1 first. The
+# build that marks the ids present: its bitmap is exactly the set of ids.
 @pytest.mark.parametrize("tokens,dtype,vocab", [(2049, torch.int64, 65536), (5000 + 7, torch.int32, 300),
                                                 (32768, torch.int64, 65536), (id_radix.MAX_TOKENS, torch.int32, 1)])
-def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab):
+@pytest.mark.parametrize("mark_touched", [False, True])
+def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab, mark_touched):
     from cutebwd.kernels.runtime import device_arch, ffi_function
 
-    run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(0)))
+    run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(0),
+                                      mark_touched=mark_touched))
     workspace = id_radix.Workspace(torch.device("cuda", torch.cuda.current_device()))
-    counts, ranges, _, keys, positions, sorted_all, order_all, *_ = workspace.get()
+    counts, ranges, _, keys, positions, sorted_all, order_all, touched, *_ = workspace.get()
     ids = torch.randint(0, vocab, (tokens,), device="cuda", dtype=dtype)
     sorted_ids, order = sorted_all[:tokens].fill_(-5), order_all[:tokens].fill_(-5)
-    run(ids, counts, ranges, keys, positions, sorted_ids, order, vocab)
+    touched.fill_(-1)  # every bit set: the sort must clear what is absent
+    run(ids, counts, ranges, keys, positions, sorted_ids, order, touched, vocab)
     want_ids, want_order = torch.sort(ids, stable=True)
     assert torch.equal(sorted_ids, want_ids.int()) and torch.equal(order, want_order)
     chunk_ranges = ranges[:id_radix.chunks(tokens)]
     assert int(chunk_ranges[:, 0].min()) == int(ids.min()) and int(chunk_ranges[:, 1].max()) == int(ids.max())
+    if mark_touched:
+        present = torch.zeros(id_radix.MAX_VOCAB, dtype=torch.bool, device="cuda")
+        present[ids.long()] = True
+        bits = (touched.view(-1, 1) >> torch.arange(32, dtype=torch.int32, device="cuda")) & 1
+        assert torch.equal(bits.view(-1).bool(), present)
     ids[tokens // 2] = vocab
-    run(ids, counts, ranges, keys, positions, sorted_ids, order, vocab)
+    run(ids, counts, ranges, keys, positions, sorted_ids, order, touched, vocab)
     assert int(sorted_ids[0]) == -1
