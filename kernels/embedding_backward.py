@@ -8,15 +8,14 @@ scatter-add of dx into the [V, H] bf16 embedding-gradient table, one FFI call.
 Index pass: a stable sort of the ids gives the tokens grouped by id, each group in token
 order, which fixes the order of every fp32 sum: bitwise repeatable. Up to
 SORT_ON_CHIP_MAX_TOKENS tokens every row-kernel CTA sorts the raw ids in its shared memory
-(id_sort.py: no sort launches, no host work); above, PyTorch's stable sort on the host's
-stream.
+(id_sort.py: no sort launches, no host work); above, an index pass (below).
 
 Id check: out-of-range ids raise and nothing is written, so the host waits for a verdict once
-a call; where it waits depends on the call's size (measured, tools/reports/087-notes.md):
-- small calls, host-bound: every kernel reads the sorted ends and, with an id outside
-  [0, vocab), writes neither the table nor grad_weight; the row kernel's CTA 0 leaves that
-  verdict in a status word, read back once the launches are done;
-- large calls, GPU-bound: up to id_radix.MAX_TOKENS tokens (vocabularies up to 65536 ids)
+a call, after queueing the launches except on the aminmax path (tools/reports/087-notes.md):
+- ids sorted on chip: every kernel reads the sorted ends and, with an id outside [0, vocab),
+  writes neither the table nor grad_weight; the row kernel's CTA 0 leaves that verdict in a
+  status word, read back once the launches are done;
+- larger calls: up to id_radix.MAX_TOKENS tokens (vocabularies up to 65536 ids)
   our own stable radix sort (id_radix: three kernels, one FFI call) also writes each chunk's
   id range, which goes to pinned memory, and writes -1 as the first sorted id when a range is
   bad, so every kernel sees the verdict and writes nothing. The host queues all launches and
@@ -59,11 +58,6 @@ from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake
 
 TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
 CTAS_PER_SM = 2  # 256 threads x 128 registers
-# Up to this many tokens the id verdict is read back after the launches (the call is host-bound
-# there; measured at <= 256 tokens: 67-144 us a call against 165-226 with the range read first),
-# above it the range is read first while the sort runs (4096 tokens and up: 130-197 against
-# 205-211; 16K: 272-275 against 391-398). Between 256 and 4096 tokens not measured.
-DEVICE_CHECK_MAX_TOKENS = 2048
 # The row kernel's cp.async ring: the rows of the next sorted positions (grad_output, hidden_states
 # and, with accumulate, the table row a segment ends in) load while this one is computed. Two
 # CTAs per SM share the shared memory; H = 4096 gets 3 stages (96 KB with accumulate).
@@ -388,24 +382,20 @@ class _Entry:
         # fresh tables on the radix path: the row kernel zeroes the untouched rows itself
         self.run_zeroing_untouched = None if accumulate else runtime.ffi_function(
             _build(hidden, False, arch, touched=True))
-        self.radix = id_radix.Workspace(device)
+        self.index = id_radix.Workspace(device)
         # grad_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)
 
 
 class _Workspace(runtime.StreamWorkspace):
-    """Per stream: the workspace, a view of its id status element, the per-CTA id ranges on the
-    device and in pinned memory, the event that says they have arrived, and where on-chip sorts
-    leave the sorted ids for the fix-up."""
+    """Per stream: the workspace, a view of its id status element, and where on-chip sorts
+    leave the sorted ids for the fix-up (the index passes' buffers: id_radix.Workspace)."""
 
     def _new(self):
         import torch
 
         buffer = super()._new()
-        ranges = (RangeAndKeys.CTAS, 2)
-        return (buffer, buffer[-1, 0], torch.empty(ranges, dtype=torch.int64, device=self.device),
-                torch.empty(ranges, dtype=torch.int64, pin_memory=True), torch.cuda.Event(),
-                torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device))
+        return buffer, buffer[-1, 0], torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device)
 
 
 def _id_range(ids):
@@ -420,11 +410,11 @@ def _raise_if_out_of_range(smallest, largest, vocab_size):
                          " (nothing was written)")
 
 
-def _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size):
-    """Waits for the index pass's id ranges (RangeAndKeys's per CTA, the radix sort's per chunk)
-    to reach pinned memory, then checks them."""
-    range_ready.synchronize()
-    lows, highs = zip(*cta_ranges.tolist())
+def _raise_if_out_of_cta_ranges(index, count, vocab_size):
+    """Waits for the index pass's `count` id ranges (RangeAndKeys's per CTA, the radix sort's
+    per chunk) to reach pinned memory, then checks them."""
+    index.ranges_ready.synchronize()
+    lows, highs = zip(*index.host_ranges[:count].tolist())
     _raise_if_out_of_range(min(lows), max(highs), vocab_size)
 
 
@@ -452,8 +442,8 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     The index pass: up to SORT_ON_CHIP_MAX_TOKENS tokens (vocabularies up to
     SORT_ON_CHIP_MAX_VOCAB) in the row kernel; above, up to id_radix.MAX_TOKENS (vocabularies
     up to 65536), our radix sort; otherwise PyTorch's stable sort. The id check makes the host
-    wait once a call: up to DEVICE_CHECK_MAX_TOKENS tokens for the kernels' verdict at the end,
-    above for the ids' range, after the launches are queued (module docstring).
+    wait once a call, after the launches are queued: for the kernels' verdict where the ids are
+    sorted on chip, for the ids' range from the index pass above (module docstring).
     """
     import torch
 
@@ -470,7 +460,10 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         key = (hidden, bool(accumulate), input_ids.dtype, device.index)
         entry = _entries.setdefault(key, _Entry(hidden, bool(accumulate), input_ids.dtype, device))
     tokens = batch * seq
-    radix = DEVICE_CHECK_MAX_TOKENS < tokens <= id_radix.MAX_TOKENS and vocab_size <= id_radix.MAX_VOCAB
+    on_chip = tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB
+    # Above the on-chip sort our radix sort, not PyTorch's: 2048 tokens took 115 us a call with
+    # PyTorch's sort and the kernels' verdict, 4096 tokens 76 with the radix sort (session 13).
+    radix = not on_chip and tokens <= id_radix.MAX_TOKENS and vocab_size <= id_radix.MAX_VOCAB
     # A fresh table is zero-filled up front (a memset), except on the radix path: there the row
     # kernel zeroes the rows no token touches, so no row is written twice.
     zeroes_untouched = radix and not accumulate
@@ -495,32 +488,26 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         return out
     ids = input_ids.reshape(tokens)
     range_after = False  # the host reads the ids' range from pinned memory after the launches
-    workspace, status, ranges, cta_ranges, range_ready, sorted_on_chip = entry.workspace.get()
-    verdict_after = tokens <= DEVICE_CHECK_MAX_TOKENS
-    on_chip = tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB
-    if verdict_after:
-        if not on_chip:
-            # Clamped before the cast so an int64 id cannot wrap into range for the kernels' check.
-            keys = ids if ids.dtype == torch.int32 else ids.clamp(-1, vocab_size).to(torch.int32)
-            sorted_ids, order = torch.sort(keys, stable=True)
+    workspace, status, sorted_on_chip = entry.workspace.get()
+    if on_chip:
         if zero_fill:  # the fill must not run for bad ids: here the host waits before it
             _raise_if_out_of_range(*_id_range(ids), vocab_size)
     elif radix:
         # The native index pass (id_radix): three kernels in one call, the verdict on the
         # first sorted id, the chunks' ranges to pinned memory for the host's check (and, for
         # a fresh table, the bitmap of the ids present).
-        counts, chunk_ranges, pinned, keys, positions, sorted_all, order_all, touched, aside, sorted_done = \
-            entry.radix.get()
-        sorted_ids, order = sorted_all[:tokens], order_all[:tokens]
-        entry.run_radix_sort(ids, counts, chunk_ranges, keys, positions, sorted_ids, order, touched, vocab_size)
-        cta_ranges = pinned[:id_radix.chunks(tokens)]
+        index = entry.index.get()
+        sorted_ids, order = index.sorted_ids[:tokens], index.order[:tokens]
+        entry.run_radix_sort(ids, index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order,
+                             index.touched, vocab_size)
+        range_count = id_radix.chunks(tokens)
         # The ranges go to the host on a side stream, so no copy sits between the sort and the
         # row kernel on the call's stream: the row kernel launches as the sort's dependent.
-        sorted_done.record()
-        with torch.cuda.stream(aside):
-            aside.wait_event(sorted_done)
-            cta_ranges.copy_(chunk_ranges[:len(cta_ranges)], non_blocking=True)
-            range_ready.record()
+        index.sorted_done.record()
+        with torch.cuda.stream(index.aside):
+            index.aside.wait_event(index.sorted_done)
+            index.host_ranges[:range_count].copy_(index.ranges[:range_count], non_blocking=True)
+            index.ranges_ready.record()
         range_after = True  # no fill waits for it: a fresh table's zeros come from the row kernel
     elif vocab_size <= KEYS_MAX_VOCAB:
         # One kernel reads the ids once for their range (per CTA) and int16 sort keys (two
@@ -529,22 +516,25 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         # bad ids and the host waits for the ranges only after queueing every launch: the GPU
         # never waits for the host. A zero-fill of the caller's table must not run for bad
         # ids: there the host waits before it.
+        index = entry.index.get()
+        range_count = RangeAndKeys.CTAS
+        ranges = index.ranges[:range_count]
         keys = ids.new_empty(tokens, dtype=torch.int16)
         entry.run_range_and_keys(ids, keys, ranges)
-        cta_ranges.copy_(ranges, non_blocking=True)
-        range_ready.record()
+        index.host_ranges[:range_count].copy_(ranges, non_blocking=True)
+        index.ranges_ready.record()
         sorted_keys, order = torch.sort(keys, stable=True)
         sorted_ids = ids.new_empty(tokens, dtype=torch.int32)
         entry.run_widen_keys(sorted_keys, ranges, sorted_ids, vocab_size, WidenKeys.ctas(tokens))
         range_after = not zero_fill
         if zero_fill:
-            _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size)
+            _raise_if_out_of_cta_ranges(index, range_count, vocab_size)
     else:
-        cta_ranges[0].copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
-        range_ready.record()
+        index = entry.index.get()
+        index.host_ranges[0].copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
+        index.ranges_ready.record()
         sorted_ids, order = torch.sort(ids.to(torch.int32), stable=True)  # exact once the range passes
-        range_ready.synchronize()
-        _raise_if_out_of_range(*cta_ranges[0].tolist(), vocab_size)
+        _raise_if_out_of_cta_ranges(index, 1, vocab_size)
     if zero_fill:
         runtime.zero_fill(table)
     try:
@@ -552,8 +542,8 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
             entry.run_sort_on_chip(grad_output, hidden_states, rstd, weight, ids, sorted_on_chip, table, grad_weight,
                                    workspace, min(tokens, entry.max_ctas))
         elif zeroes_untouched:
-            entry.run_zeroing_untouched(grad_output, hidden_states, rstd, weight, sorted_ids, order, touched, table,
-                                        grad_weight, workspace, min(tokens, entry.max_ctas))
+            entry.run_zeroing_untouched(grad_output, hidden_states, rstd, weight, sorted_ids, order, index.touched,
+                                        table, grad_weight, workspace, min(tokens, entry.max_ctas))
         else:
             entry.run(grad_output, hidden_states, rstd, weight, sorted_ids, order, table, grad_weight,
                       workspace, min(tokens, entry.max_ctas))
@@ -563,9 +553,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         _check_out(out, hidden_states, vocab_size)
         raise
     if range_after:
-        _raise_if_out_of_cta_ranges(range_ready, cta_ranges, vocab_size)
+        _raise_if_out_of_cta_ranges(index, range_count, vocab_size)
     # The kernels' verdict, unless the host already checked the range before the fill.
-    if verdict_after and not zero_fill and status.item():  # an id out of range: nothing written
+    if on_chip and not zero_fill and status.item():  # an id out of range: nothing written
         _raise_if_out_of_range(*_id_range(ids), vocab_size)
     return out
 

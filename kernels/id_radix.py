@@ -23,6 +23,8 @@ passes, and never out of bounds before it.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -273,13 +275,24 @@ def build(ids_dtype, arch: str, dump_dir=None, mark_touched: bool = False):
         dump_dir=dump_dir, tvm_ffi=True)
 
 
-class Workspace(runtime.StreamWorkspace):
-    """Per stream: counts, ranges (device and pinned), keys and tokens between the passes,
-    sorted ids and order (the row kernel reads views of the last two), the touched-id bitmap,
-    a side stream for the ranges' copy to the host and the event it waits for."""
+@dataclasses.dataclass
+class IndexBuffers:
+    """One stream's buffers for 087's index passes that report id ranges to the host."""
+    counts: object  # [2 MAX_CHUNKS, DIGITS] int32
+    ranges: object  # [MAX_CHUNKS, 2] int64 on the device: per chunk (radix) or per CTA (RangeAndKeys)
+    host_ranges: object  # the same in pinned memory, for the host's check
+    ranges_ready: object  # an event: host_ranges has arrived
+    keys: object  # [MAX_TOKENS] int32, between the passes
+    tokens: object  # [MAX_TOKENS] int32, between the passes
+    sorted_ids: object  # [MAX_TOKENS] int32 (the row kernel reads a view)
+    order: object  # [MAX_TOKENS] int64 (the row kernel reads a view)
+    touched: object  # [TOUCHED_WORDS] int32, the ids present
+    aside: object  # a side stream for the ranges' copy to the host
+    sorted_done: object  # an event: the sort has finished (the copy waits for it)
 
-    def __init__(self, device):
-        super().__init__(0, 0, device)
+
+class Workspace(runtime.PerStream):
+    """IndexBuffers per stream."""
 
     def _new(self):
         import torch
@@ -287,10 +300,13 @@ class Workspace(runtime.StreamWorkspace):
         def ints(*shape, dtype=torch.int32):
             return torch.empty(shape, dtype=dtype, device=self.device)
 
-        return (ints(2 * MAX_CHUNKS, DIGITS), ints(MAX_CHUNKS, 2, dtype=torch.int64),
-                torch.empty(MAX_CHUNKS, 2, dtype=torch.int64, pin_memory=True), ints(MAX_TOKENS), ints(MAX_TOKENS),
-                ints(MAX_TOKENS), ints(MAX_TOKENS, dtype=torch.int64), ints(TOUCHED_WORDS),
-                torch.cuda.Stream(self.device), torch.cuda.Event())
+        return IndexBuffers(
+            counts=ints(2 * MAX_CHUNKS, DIGITS), ranges=ints(MAX_CHUNKS, 2, dtype=torch.int64),
+            host_ranges=torch.empty(MAX_CHUNKS, 2, dtype=torch.int64, pin_memory=True), ranges_ready=torch.cuda.Event(),
+            keys=ints(MAX_TOKENS), tokens=ints(MAX_TOKENS), sorted_ids=ints(MAX_TOKENS),
+            order=ints(MAX_TOKENS, dtype=torch.int64), touched=ints(TOUCHED_WORDS),
+            aside=torch.cuda.Stream(self.device),
+            sorted_done=torch.cuda.Event())
 
 
 AUDIT_BUILDS = {"embedding_rmsnorm_backward ids radix sort": lambda arch, dump_dir: build(Int64, arch, dump_dir),

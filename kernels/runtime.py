@@ -80,23 +80,20 @@ def ffi_function(compiled):
     return compiled.__tvm_ffi_object__()
 
 
-class StreamWorkspace:
-    """A scratch fp32 [rows, cols] buffer per CUDA stream, reused call after call.
+class PerStream:
+    """What `_new` makes, once per CUDA stream, reused call after call.
 
     Calls on one stream run in order, so they never overlap on it; another stream gets its
-    own. Under CUDA-graph capture a fresh buffer comes from the graph's pool, so replays own
+    own. Under CUDA-graph capture a fresh set comes from the graph's pool, so replays own
     their memory and never race eager calls.
     """
 
-    def __init__(self, rows: int, cols: int, device):
-        self.shape, self.device = (rows, cols), device
+    def __init__(self, device):
+        self.device = device
         self._buffers = {}  # raw CUDA stream handle -> what _new made
 
     def _new(self):
-        """One stream's workspace (subclasses add what else they keep per stream)."""
-        import torch
-
-        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        raise NotImplementedError
 
     def get(self):
         import torch
@@ -108,6 +105,19 @@ class StreamWorkspace:
         if buffer is None:
             buffer = self._buffers[stream] = self._new()
         return buffer
+
+
+class StreamWorkspace(PerStream):
+    """A scratch fp32 [rows, cols] buffer per CUDA stream (subclasses add what else they keep)."""
+
+    def __init__(self, rows: int, cols: int, device):
+        super().__init__(device)
+        self.shape = (rows, cols)
+
+    def _new(self):
+        import torch
+
+        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
 
 
 def zero_fill(tensor):

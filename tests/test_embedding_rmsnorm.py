@@ -5,7 +5,7 @@ from cutlass import Int32, Int64
 
 from cutebwd import embedding_rmsnorm_backward as kernel
 from cutebwd.kernels import id_radix
-from cutebwd.kernels.embedding_backward import DEVICE_CHECK_MAX_TOKENS, SORT_ON_CHIP_MAX_TOKENS
+from cutebwd.kernels.embedding_backward import SORT_ON_CHIP_MAX_TOKENS
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import WORKLOADS
 from cutebwd.tools.parity import assert_parity, check_problem
@@ -96,8 +96,8 @@ def test_bitwise_repeatable_with_heavy_duplication():
 
 
 @pytest.mark.gpu
-# 2 x seq tokens: the kernels' verdict read after the launches; the range read before them
-@pytest.mark.parametrize("seq", [64, DEVICE_CHECK_MAX_TOKENS // 2 + 8])
+# 2 x seq tokens: the kernels' verdict (ids sorted on chip); the radix sort's ranges
+@pytest.mark.parametrize("seq", [64, SORT_ON_CHIP_MAX_TOKENS // 2 + 8])
 def test_out_of_range_ids_raise_and_write_nothing(seq):
     go, ids, x, r, w = PROBLEM.make_inputs(2, seq, device="cuda", seed=2)
     out = (torch.full((65536, 4096), 3.0, dtype=torch.bfloat16, device="cuda"), torch.zeros(4096, device="cuda"))
@@ -180,12 +180,13 @@ def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab, mark_touched):
 
     run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(0),
                                       mark_touched=mark_touched))
-    workspace = id_radix.Workspace(torch.device("cuda", torch.cuda.current_device()))
-    counts, ranges, _, keys, positions, sorted_all, order_all, touched, *_ = workspace.get()
+    index = id_radix.Workspace(torch.device("cuda", torch.cuda.current_device())).get()
+    ranges, touched = index.ranges, index.touched
     ids = torch.randint(0, vocab, (tokens,), device="cuda", dtype=dtype)
-    sorted_ids, order = sorted_all[:tokens].fill_(-5), order_all[:tokens].fill_(-5)
+    sorted_ids, order = index.sorted_ids[:tokens].fill_(-5), index.order[:tokens].fill_(-5)
     touched.fill_(-1)  # every bit set: the sort must clear what is absent
-    run(ids, counts, ranges, keys, positions, sorted_ids, order, touched, vocab)
+    args = (index.counts, ranges, index.keys, index.tokens, sorted_ids, order, touched, vocab)
+    run(ids, *args)
     want_ids, want_order = torch.sort(ids, stable=True)
     assert torch.equal(sorted_ids, want_ids.int()) and torch.equal(order, want_order)
     chunk_ranges = ranges[:id_radix.chunks(tokens)]
@@ -196,5 +197,5 @@ def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab, mark_touched):
         bits = (touched.view(-1, 1) >> torch.arange(32, dtype=torch.int32, device="cuda")) & 1
         assert torch.equal(bits.view(-1).bool(), present)
     ids[tokens // 2] = vocab
-    run(ids, counts, ranges, keys, positions, sorted_ids, order, touched, vocab)
+    run(ids, *args)
     assert int(sorted_ids[0]) == -1

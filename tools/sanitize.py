@@ -188,10 +188,10 @@ CASES = {
                                                      dims={"vocab": 17, "hidden": 1000},
                                                      kernel_options={"vocab_size": 17}, ids_dtype=torch.int32),
     "087 accumulate": _accumulate_case(2, 300, 97, 2560),
-    # above 1024 tokens the ids are sorted by PyTorch, not on chip; above 2048 by our radix sort;
-    # above id_radix.MAX_TOKENS (131072) by PyTorch again, on RangeAndKeys' int16 keys
-    "087 ids sorted by PyTorch": _problem_case("embedding_rmsnorm_backward", 2, 700, dims={"vocab": 97, "hidden": 1000},
-                                               kernel_options={"vocab_size": 97}),
+    # above 1024 tokens the ids are sorted by our radix sort, not on chip; above id_radix.MAX_TOKENS
+    # (131072) by PyTorch, on RangeAndKeys' int16 keys; vocabularies above 65536: PyTorch's int32 sort
+    "087 ids sorted by PyTorch, vocabulary of 70000": _problem_case(
+        "embedding_rmsnorm_backward", 2, 700, dims={"vocab": 70000, "hidden": 1000}, kernel_options={"vocab_size": 70000}),
     "087 radix sort": _problem_case("embedding_rmsnorm_backward", 3, 1000, dims={"vocab": 97, "hidden": 256},
                                     kernel_options={"vocab_size": 97}),
     "087 range and int16 keys": _problem_case("embedding_rmsnorm_backward", 1, 131073, dims={"vocab": 97, "hidden": 64},
