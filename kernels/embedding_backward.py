@@ -42,6 +42,8 @@ fp32 partials and the fixed-order `ColumnSum`, no float atomics anywhere.
 """
 from __future__ import annotations
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -365,26 +367,45 @@ def _check_out(out, hidden_states, vocab_size):
 
 
 class _Entry:
-    """What one (hidden size, accumulate, ids dtype, device) needs per call, resolved once."""
+    """What one (hidden size, accumulate, ids dtype, device) needs per call, resolved once. Each
+    path's kernels are built on the path's first call (a call size uses two or three of the
+    six builds)."""
 
     def __init__(self, hidden: int, accumulate: bool, ids_dtype, device):
         import torch
 
-        self.device = device
+        self.device, self.hidden, self.accumulate = device, hidden, accumulate
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-        arch = runtime.device_arch(device.index)
-        ids = Int64 if ids_dtype == torch.int64 else Int32
-        self.run = runtime.ffi_function(_build(hidden, accumulate, arch))
-        self.run_sort_on_chip = runtime.ffi_function(_build(hidden, accumulate, arch, ids_dtype=ids))
-        self.run_range_and_keys = runtime.ffi_function(build_range_and_keys(ids, arch))
-        self.run_widen_keys = runtime.ffi_function(build_widen_keys(arch))
-        self.run_radix_sort = runtime.ffi_function(id_radix.build(ids, arch, mark_touched=not accumulate))
-        # fresh tables on the radix path: the row kernel zeroes the untouched rows itself
-        self.run_zeroing_untouched = None if accumulate else runtime.ffi_function(
-            _build(hidden, False, arch, touched=True))
+        self.arch = runtime.device_arch(device.index)
+        self.ids = Int64 if ids_dtype == torch.int64 else Int32
         self.index = id_radix.Workspace(device)
         # grad_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)
+
+    @functools.cached_property
+    def run(self):
+        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.arch))
+
+    @functools.cached_property
+    def run_sort_on_chip(self):
+        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.arch, ids_dtype=self.ids))
+
+    @functools.cached_property
+    def run_range_and_keys(self):
+        return runtime.ffi_function(build_range_and_keys(self.ids, self.arch))
+
+    @functools.cached_property
+    def run_widen_keys(self):
+        return runtime.ffi_function(build_widen_keys(self.arch))
+
+    @functools.cached_property
+    def run_radix_sort(self):
+        return runtime.ffi_function(id_radix.build(self.ids, self.arch, mark_touched=not self.accumulate))
+
+    @functools.cached_property
+    def run_zeroing_untouched(self):
+        """Fresh tables on the radix path: the row kernel zeroes the untouched rows itself."""
+        return runtime.ffi_function(_build(self.hidden, False, self.arch, touched=True))
 
 
 class _Workspace(runtime.StreamWorkspace):

@@ -1,4 +1,4 @@
-"""How host code meets CuTe DSL: target arch, compile (with an in-process cache), arguments, stream.
+"""How host code meets CuTe DSL: target arch, compile (cached in process and on disk), arguments, stream.
 
 Two calling conventions:
 - TVM-FFI (`compile_kernel(..., tvm_ffi=True)` with `fake_tensor` arguments and `env_stream()`):
@@ -19,6 +19,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr, nullptr
 from cutlass.cute.typing import AddressSpace
+
+from . import disk_cache
 
 ARCHES = ("sm_90a", "sm_100a")
 
@@ -45,8 +47,10 @@ def compile_kernel(key: Hashable, jit_fn: Callable, *args, arch: str, dump_dir: 
     """Compile `jit_fn(*args)` for `arch` once per `key`; with `dump_dir`, keep PTX and CUBIN there.
 
     `key` must name everything that changes the generated code (kernel, config, static dims,
-    dtypes); dynamic extents (batch, sequence) are runtime arguments and stay out of it.
-    With `tvm_ffi`, the result is called with torch tensors (see the module docstring).
+    dtypes) and show the same text in every process (it names the on-disk entry); dynamic
+    extents (batch, sequence) are runtime arguments and stay out of it. With `tvm_ffi`, the
+    result is called with torch tensors (see the module docstring) and a new process loads it
+    from disk (kernels/disk_cache.py) instead of compiling it again.
     """
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
@@ -54,13 +58,31 @@ def compile_kernel(key: Hashable, jit_fn: Callable, *args, arch: str, dump_dir: 
     hit = _compiled.get(full_key)
     if hit is not None:
         return hit
-    options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
-    compiled = cute.compile(jit_fn, *args, options=options)
+    # TVM-FFI builds also go through the on-disk cache (not the audit's, which want the dumps).
+    on_disk = disk_cache.entry_name(key, arch) if tvm_ffi and dump_dir is None else None
+    loaded = disk_cache.load(on_disk) if on_disk else None
+    if loaded is not None:
+        compiled = Loaded(loaded)
+    else:
+        options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
+        if dump_dir is not None:
+            os.makedirs(dump_dir, exist_ok=True)
+            options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+        compiled = cute.compile(jit_fn, *args, options=options)
+        if on_disk:
+            disk_cache.store(on_disk, compiled)
     _compiled[full_key] = compiled
     return compiled
+
+
+class Loaded:
+    """A TVM-FFI build read back from the on-disk cache: only its positional entry point."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __tvm_ffi_object__(self):
+        return self.function
 
 
 def gmem_ptr(tensor, dtype, align: int = 16):

@@ -1,0 +1,95 @@
+"""The on-disk layer of the compile cache: a TVM-FFI build exported as an object file once, so a
+new process loads it (~2 ms) instead of compiling it again (1-3 s a build).
+
+A file's name is a digest of the build's key, its arch, the DSL's version and the source of
+every kernel and layout module of this package, so an edit to any of them, or a new DSL, reads
+as a miss: the cache never hands back code from other sources. Files are written to a temporary
+name and renamed, so processes sharing the cache never read half a file.
+
+Where: $CUTEBWD_CACHE_DIR, else $XDG_CACHE_HOME/cutebwd, else ~/.cache/cutebwd;
+CUTEBWD_CACHE_DIR=off turns the layer off (the in-process cache stays).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+ENV = "CUTEBWD_CACHE_DIR"
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def directory() -> Path | None:
+    """The cache directory, or None when the layer is off."""
+    value = os.environ.get(ENV, "")
+    if value.lower() in ("off", "0", "none"):
+        return None
+    if value:
+        return Path(value)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cutebwd"
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest() -> str:
+    """A digest of what decides the generated code beside a build's key: the DSL's version
+    and the source of this package's kernels and layouts."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(version("nvidia-cutlass-dsl").encode())
+    for folder in ("kernels", "layouts"):
+        for path in sorted((_PACKAGE / folder).glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def entry_name(key, arch: str) -> str | None:
+    """The file stem (also the exported function's name) of a build, or None when its key
+    has no stable text (an object shown by address would differ in every process)."""
+    text = repr((key, arch))
+    if " at 0x" in text:
+        return None
+    return "cutebwd_" + hashlib.sha256((code_digest() + text).encode()).hexdigest()[:32]
+
+
+def path_of(name: str) -> Path | None:
+    root = directory()
+    return None if root is None else root / code_digest() / f"{name}.o"
+
+
+def load(name: str):
+    """The exported function `name` as a tvm_ffi.Function, or None when it is not on disk
+    (or cannot be read: then it is compiled again and rewritten)."""
+    path = path_of(name)
+    if path is None or not path.exists():
+        return None
+    from cutlass.cute.runtime import load_module
+
+    try:
+        return getattr(load_module(str(path), enable_tvm_ffi=True), name)
+    except Exception as error:  # a truncated or foreign file: fall back to compiling
+        warnings.warn(f"cutebwd: compile cache entry {path} unreadable ({error}); compiling again")
+        return None
+
+
+def store(name: str, compiled) -> None:
+    """Exports a TVM-FFI build under `name`. A cache that cannot be written costs only the
+    next process's compile time, so failures warn and go on."""
+    path = path_of(name)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(suffix=".o", dir=path.parent)
+        os.close(handle)
+        try:
+            compiled.export_to_c(temporary, name)
+            os.chmod(temporary, 0o644)  # mkstemp's 0600 would hide it from a cache shared between users
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    except Exception as error:
+        warnings.warn(f"cutebwd: could not write the compile cache at {path.parent} ({error})")
