@@ -8,6 +8,11 @@ import, and `cutebwd.references` needs none of it):
     cutebwd.embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weight, *,
                                        vocab_size=65536, out=None, accumulate=False)
 
+    cutebwd.ResidualRMSNorm(hidden, eps=1e-6)     autograd module, 013's kernel as its backward
+
+`import cutebwd.kernels.torch_ops` registers the ops as torch.ops.cutebwd.* custom operators
+(torch.compile traces through them; kernels/torch_ops.py).
+
 Subpackages: kernels (device code), layouts (tiling), references (plain PyTorch, the
 contract), tools (audit, bench, parity, timing).
 """
@@ -18,6 +23,7 @@ _OPS = {
     "rms_rstd": "cutebwd.kernels.row_rstd",
     "fused_residual_rmsnorm_backward": "cutebwd.kernels.rmsnorm_backward",
     "embedding_rmsnorm_backward": "cutebwd.kernels.embedding_backward",
+    "ResidualRMSNorm": "cutebwd.kernels.torch_ops",
 }
 
 __all__ = sorted(_OPS)

@@ -63,8 +63,8 @@ def test_an_unreadable_entry_is_compiled_again(cache):
     assert isinstance(build_range_and_keys(Int32, "sm_90a"), runtime.Loaded)
 
 
-# The same op call in two processes sharing one fresh cache: the first compiles and writes,
-# the second loads every build it uses from disk; both pass the parity check.
+# The same calls (013, 087 on two paths, a GEMM) in two processes sharing one fresh cache: the
+# first compiles and writes, the second loads every build it uses from disk; both are right.
 _CALL = """
 import json, torch
 from cutebwd import fused_residual_rmsnorm_backward, embedding_rmsnorm_backward
@@ -75,6 +75,9 @@ ok = all(report.ok for name, op, seq in (("fused_residual_rmsnorm_backward", fus
                                          ("embedding_rmsnorm_backward", embedding_rmsnorm_backward, 300),
                                          ("embedding_rmsnorm_backward", embedding_rmsnorm_backward, 3000))
          for report in check_problem(PROBLEMS[name], op, 2, seq, seed=5))
+from cutebwd.kernels.gemm import matmul_nt
+a, b = torch.randn(300, 512, device="cuda").bfloat16(), torch.randn(264, 512, device="cuda").bfloat16()
+ok &= torch.allclose(matmul_nt(a, b).float(), a.float() @ b.float().T, rtol=2e-2, atol=2e-2)
 print(json.dumps({"ok": ok, "loaded": [isinstance(c, runtime.Loaded) for c in runtime._compiled.values()]}))
 """
 

@@ -1,0 +1,109 @@
+"""The ops as PyTorch custom operators (`torch.ops.cutebwd.*`), so `torch.compile` traces
+through them without graph breaks, and `ResidualRMSNorm`, an autograd module whose backward
+is 013's kernel.
+
+Importing this module registers the operators. Their fake implementations give output shapes
+and dtypes only, so tracing needs neither a GPU nor the DSL; the real ones call the ops of
+kernels/ (the DSL is imported on the first real call). The custom-op layer costs host time
+per call (PyTorch's dispatcher); eager code that wants the lowest host cost calls
+`cutebwd.fused_residual_rmsnorm_backward` and friends directly.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_LIBRARY = "cutebwd"
+
+
+@torch.library.custom_op(f"{_LIBRARY}::fused_residual_rmsnorm_backward", mutates_args=())
+def fused_residual_rmsnorm_backward(grad_output: torch.Tensor, x: torch.Tensor, normalized: Optional[torch.Tensor],
+                                    rstd: torch.Tensor, weight: torch.Tensor
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """L1/013 -> (grad_hidden_states, grad_residual, grad_weight); see the op in
+    kernels/rmsnorm_backward.py."""
+    from .rmsnorm_backward import fused_residual_rmsnorm_backward as op
+
+    return op(grad_output, x, normalized, rstd, weight)
+
+
+@fused_residual_rmsnorm_backward.register_fake
+def _(grad_output, x, normalized, rstd, weight):
+    return grad_output.new_empty(grad_output.shape), grad_output.new_empty(grad_output.shape), \
+        weight.new_empty(weight.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIBRARY}::embedding_rmsnorm_backward", mutates_args=())
+def embedding_rmsnorm_backward(grad_output: torch.Tensor, input_ids: torch.Tensor, hidden_states: torch.Tensor,
+                               rstd: torch.Tensor, weight: torch.Tensor, vocab_size: int = 65536
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """L1/087, a fresh table -> (grad_embedding, grad_weight); see kernels/embedding_backward.py."""
+    from .embedding_backward import embedding_rmsnorm_backward as op
+
+    return op(grad_output, input_ids, hidden_states, rstd, weight, vocab_size=vocab_size)
+
+
+@embedding_rmsnorm_backward.register_fake
+def _(grad_output, input_ids, hidden_states, rstd, weight, vocab_size=65536):
+    hidden = grad_output.shape[-1]
+    return grad_output.new_empty((vocab_size, hidden), dtype=torch.bfloat16), \
+        grad_output.new_empty((hidden,), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIBRARY}::embedding_rmsnorm_backward_accumulate",
+                         mutates_args=("grad_embedding", "grad_weight"))
+def embedding_rmsnorm_backward_accumulate(grad_output: torch.Tensor, input_ids: torch.Tensor,
+                                          hidden_states: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                                          grad_embedding: torch.Tensor, grad_weight: torch.Tensor) -> None:
+    """L1/087 adding this step's rows into grad_embedding (gradient accumulation); grad_weight is
+    overwritten with this step's. The vocabulary is grad_embedding's row count."""
+    from .embedding_backward import embedding_rmsnorm_backward as op
+
+    op(grad_output, input_ids, hidden_states, rstd, weight, vocab_size=grad_embedding.shape[0],
+       out=(grad_embedding, grad_weight), accumulate=True)
+
+
+@embedding_rmsnorm_backward_accumulate.register_fake
+def _(grad_output, input_ids, hidden_states, rstd, weight, grad_embedding, grad_weight):
+    return None
+
+
+class _ResidualRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, residual, weight, eps):
+        x = hidden_states.float() + residual.float()
+        rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+        # normalized = x * rstd is recomputed by the kernel (normalized=None): 4 bytes per
+        # element less saved and read.
+        ctx.save_for_backward(x, rstd, weight)
+        return (x * rstd * weight).to(hidden_states.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, rstd, weight = ctx.saved_tensors
+        # contiguous() is a no-op for the gradients autograd usually hands over; an expanded or
+        # transposed one would be refused by the kernel
+        grad_hidden_states, grad_residual, grad_weight = torch.ops.cutebwd.fused_residual_rmsnorm_backward(
+            grad_output.contiguous(), x, None, rstd, weight)
+        return grad_hidden_states, grad_residual, grad_weight, None
+
+
+class ResidualRMSNorm(torch.nn.Module):
+    """y = bf16(weight * x * rsqrt(mean(x^2) + eps)) with x = hidden_states + residual in fp32
+    (013's forward, in PyTorch); the backward is 013's kernel, giving hidden_states and residual
+    the same gradient. bf16 hidden_states and residual of shape [b, s, H], an fp32 weight [H]."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden, dtype=torch.float32, device=device))
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16:
+            raise ValueError(f"ResidualRMSNorm: hidden_states and residual must be bfloat16, got "
+                             f"{hidden_states.dtype} and {residual.dtype}")
+        if hidden_states.dim() != 3 or hidden_states.shape != residual.shape:
+            raise ValueError(f"ResidualRMSNorm: hidden_states and residual must be [b, s, H] of one shape, got "
+                             f"{tuple(hidden_states.shape)} and {tuple(residual.shape)}")
+        return _ResidualRMSNormFunction.apply(hidden_states, residual, self.weight, self.eps)

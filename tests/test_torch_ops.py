@@ -1,0 +1,107 @@
+"""The ops as torch custom operators: registered, traceable with fake tensors (no GPU, no DSL),
+compiled by torch.compile without graph breaks into the same results as eager, and
+ResidualRMSNorm's backward is 013's kernel."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import cutebwd
+from cutebwd.kernels import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
+from cutebwd.references import PROBLEMS
+from cutebwd.tools.parity import assert_parity
+
+RMS = PROBLEMS["fused_residual_rmsnorm_backward"]
+EMBED = PROBLEMS["embedding_rmsnorm_backward"]
+
+
+def _rms_inputs(device, batch=2, seq=37, hidden=256):
+    return (torch.randn(batch, seq, hidden, device=device).bfloat16(), torch.randn(batch, seq, hidden, device=device),
+            torch.randn(batch, seq, hidden, device=device), torch.rand(batch, seq, 1, device=device),
+            torch.randn(hidden, device=device))
+
+
+def _embed_inputs(device, tokens=64, hidden=128):
+    return (torch.randn(1, tokens, hidden, device=device).bfloat16(),
+            torch.randint(0, 100, (1, tokens), device=device), torch.randn(1, tokens, hidden, device=device),
+            torch.rand(1, tokens, 1, device=device), torch.randn(hidden, device=device))
+
+
+def test_fake_implementations_give_shapes_and_dtypes():
+    with FakeTensorMode():
+        go, x, n, r, w = _rms_inputs("cuda")
+        for normalized in (n, None):
+            dh, dr, dw = torch.ops.cutebwd.fused_residual_rmsnorm_backward(go, x, normalized, r, w)
+            assert dh.shape == dr.shape == go.shape and dh.dtype == dr.dtype == torch.bfloat16
+            assert dw.shape == w.shape and dw.dtype == torch.float32 and dw.device == go.device
+        go, ids, hs, r, w = _embed_inputs("cuda")
+        table, dw = torch.ops.cutebwd.embedding_rmsnorm_backward(go, ids, hs, r, w, 100)
+        assert table.shape == (100, 128) and table.dtype == torch.bfloat16 and dw.shape == (128,)
+
+
+def test_a_traced_function_keeps_each_op_as_one_node():
+    def step(go, x, r, w, ids, table, gw):
+        dh, dr, dw = torch.ops.cutebwd.fused_residual_rmsnorm_backward(go, x, None, r, w)
+        torch.ops.cutebwd.embedding_rmsnorm_backward_accumulate(dh, ids, x, r, w, table, gw)
+        return dr, dw
+
+    with FakeTensorMode():
+        go, x, _, r, w = _rms_inputs("cuda", batch=1, seq=64, hidden=128)
+        ids = torch.randint(0, 100, (1, 64), device="cuda")
+        table, gw = torch.zeros(100, 128, dtype=torch.bfloat16, device="cuda"), torch.zeros(128, device="cuda")
+        graph = make_fx(step)(go, x, r, w, ids, table, gw)
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets.count("cutebwd.fused_residual_rmsnorm_backward.default") == 1
+    assert targets.count("cutebwd.embedding_rmsnorm_backward_accumulate.default") == 1
+
+
+def test_residual_rmsnorm_refuses_other_dtypes_and_shapes():
+    norm = cutebwd.ResidualRMSNorm(8)
+    with pytest.raises(ValueError, match="bfloat16"):
+        norm(torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+    with pytest.raises(ValueError, match=r"\[b, s, H\]"):
+        norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_operator_checks():
+    go, x, n, r, w = _rms_inputs("cuda", hidden=2560)
+    torch.library.opcheck(torch.ops.cutebwd.fused_residual_rmsnorm_backward, (go, x, n, r, w))
+    torch.library.opcheck(torch.ops.cutebwd.fused_residual_rmsnorm_backward, (go, x, None, r, w))
+    go, ids, hs, r, w = _embed_inputs("cuda", hidden=256)
+    torch.library.opcheck(torch.ops.cutebwd.embedding_rmsnorm_backward, (go, ids, hs, r, w, 100))
+    table, gw = torch.randn(100, 256, device="cuda").bfloat16(), torch.empty(256, device="cuda")
+    torch.library.opcheck(torch.ops.cutebwd.embedding_rmsnorm_backward_accumulate, (go, ids, hs, r, w, table, gw))
+
+
+@pytest.mark.gpu
+def test_compiled_function_matches_eager():
+    def step(go, x, r, w, ids):
+        dh, dr, dw = torch.ops.cutebwd.fused_residual_rmsnorm_backward(go, x, None, r, w)
+        table, dw_embed = torch.ops.cutebwd.embedding_rmsnorm_backward(dh * 2, ids, x, r, w, 1000)
+        return dr + 1, dw, table, dw_embed
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seq in (64, 300):  # a second shape, traced again or dynamically
+        go, x, _, r, w = _rms_inputs("cuda", batch=2, seq=seq, hidden=2560)
+        ids = torch.randint(0, 1000, (2, seq), device="cuda")
+        for got, want in zip(compiled(go, x, r, w, ids), step(go, x, r, w, ids)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_residual_rmsnorm_backward_is_013():
+    torch.manual_seed(3)
+    norm = cutebwd.ResidualRMSNorm(2560, device="cuda")
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    hidden = torch.randn(2, 211, 2560, device="cuda").bfloat16().requires_grad_()
+    residual = torch.randn(2, 211, 2560, device="cuda").bfloat16().requires_grad_()
+    grad_y = torch.randn(2, 211, 2560, device="cuda").bfloat16()
+    for module in (norm, torch.compile(norm, fullgraph=True)):
+        hidden.grad = residual.grad = norm.weight.grad = None
+        module(hidden, residual).backward(grad_y)
+        x = hidden.detach().float() + residual.detach().float()
+        rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm.eps)
+        expected = RMS.reference(grad_y, x, x * rstd, rstd, norm.weight.detach(), fp32_outputs=True)
+        assert_parity(RMS.output_names, (hidden.grad, residual.grad, norm.weight.grad), expected, RMS.output_dtypes)
