@@ -21,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import GemmTiling, default_tiling, stream_k_count, stream_k_plan, stream_k_range, \
-    stream_k_segment, tile_coord
+    stream_k_segment, tile_coord, tuned_tiling
 from . import runtime
 from .epilogue import ADD, KINDS, STORE, Epilogue, check_epilogue_tensors
 from .rows import VECTOR, wide_copy  # a partial tile moves VECTOR fp32 accumulators per 16-byte access
@@ -475,7 +475,9 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
     arch = _device_arch(a.device)
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
     group_n = n // rows.shape[1] if epilogue.row_sums else inputs[0].shape[1] if epilogue.tables else None
-    chosen = choose_tiling(tiling, m, n, k, arch, epilogue, group_n)
+    # plain products: the tuner's pick for the shape bucket where it has one
+    tuned = tuned_tiling(m, n, k, a_k_major, b_k_major, arch) if tiling is None and epilogue is STORE else None
+    chosen = choose_tiling(tiling or tuned, m, n, k, arch, epilogue, group_n)
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue.name, rows, epilogue.alpha, inputs)] = _Call(
         *_kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, epilogue), chosen, m, n, k, a.device,
@@ -539,7 +541,8 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     with unit column stride (or out_dtype, bf16 by default, for a new one). The dX product of a
     linear layer is matmul_nt(dY, W.t()), the dW product matmul_nt(dY.t(), X.t()). M, N, K
     need not be tile multiples (TMA bounds the loads and stores). tiling: the tile shape
-    (layouts.gemm.default_tiling by default). stream_k: None lets layouts.gemm.stream_k_plan
+    (by default the tuner's pick for the shape bucket, layouts/tuned/<arch>.json, else
+    layouts.gemm.default_tiling). stream_k: None lets layouts.gemm.stream_k_plan
     decide whether the ragged last wave is cut into k-iterations (never below MIN_K_TILES),
     True forces it wherever the tiles do not fill whole waves, False never. The result is
     bitwise repeatable either way.

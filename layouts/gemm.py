@@ -7,7 +7,10 @@ architecture's MMA instructions; each arch module checks what it can run.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import re
+from pathlib import Path
 
 SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
 SM100_SMEM_BYTES = SM90_SMEM_BYTES  # B200: the same 227 KB per CTA
@@ -204,6 +207,37 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = F
     if wide_tiles >= 800 or wide_tiles >= 300 and k >= 2048:
         return GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
     return GemmTiling(tile_m=128, tile_n=128, cluster_m=2)
+
+
+# The tuner's table (tools/tune.py): per arch, the measured best tiling of each plain product's
+# shape bucket. Dispatch takes it before the rules above; a bucket the tuner never ran falls
+# back to them.
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+
+
+def shape_bucket(m: int, n: int, k: int, a_k_major: bool, b_k_major: bool) -> str:
+    """A product's key in the tuned table: M and K (the token-count dimensions of a layer's
+    products) rounded up to a power of two from 64, N exact (tile widths divide it or not),
+    and the operands' majors ('k' or 'm'), which pick different builds."""
+    def up(x):
+        return max(64, 1 << (x - 1).bit_length())
+
+    return f"{up(m)}x{n}x{up(k)} {'k' if a_k_major else 'm'}{'k' if b_k_major else 'm'}"
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_table(arch: str) -> dict:
+    """{bucket: entry} from layouts/tuned/<arch>.json ({} where the tuner has not run)."""
+    path = TUNED_DIR / f"{arch}.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())["entries"]
+
+
+def tuned_tiling(m: int, n: int, k: int, a_k_major: bool, b_k_major: bool, arch: str) -> GemmTiling | None:
+    """The tuner's pick for the product's bucket, or None."""
+    entry = tuned_table(arch).get(shape_bucket(m, n, k, a_k_major, b_k_major))
+    return None if entry is None else GemmTiling.from_spec(entry["tiling"])
 
 
 # Stream-K (hybrid): the first `dp_tiles` tiles go out whole, round-robin (tile = cta + u * ctas);

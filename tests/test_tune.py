@@ -1,0 +1,67 @@
+"""The tuner's table: bucket keys, the dispatch lookup, the committed tables' validity, and on
+the GPU that matmul_nt takes the table's pick."""
+import json
+
+import pytest
+
+from cutebwd.kernels.runtime import ARCHES
+from cutebwd.layouts import gemm as layouts
+from cutebwd.layouts.gemm import GemmTiling, shape_bucket, tuned_table, tuned_tiling
+from cutebwd.tools import tune
+
+
+def test_buckets_round_token_dimensions_up_and_keep_n():
+    assert shape_bucket(128, 5120, 5120, True, False) == "128x5120x8192 km"
+    assert shape_bucket(129, 5120, 5120, True, False) == "256x5120x8192 km"
+    assert shape_bucket(1, 640, 8192, False, False) == "64x640x8192 mm"
+    assert shape_bucket(8192, 640, 1536, True, True) != shape_bucket(8192, 640, 1536, False, True)
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    entries = {shape_bucket(128, 5120, 5120, True, False): {"tiling": "128x64"}}
+    (tmp_path / "sm_90a.json").write_text(json.dumps({"arch": "sm_90a", "entries": entries}))
+    monkeypatch.setattr(layouts, "TUNED_DIR", tmp_path)
+    tuned_table.cache_clear()
+    yield
+    tuned_table.cache_clear()
+
+
+def test_dispatch_reads_the_table_for_its_bucket_only(table):
+    assert tuned_tiling(100, 5120, 5000, True, False, "sm_90a") == GemmTiling.from_spec("128x64")
+    assert tuned_tiling(100, 5120, 5000, True, True, "sm_90a") is None  # other majors
+    assert tuned_tiling(300, 5120, 5000, True, False, "sm_90a") is None  # another M bucket
+    assert tuned_tiling(100, 5120, 5000, True, False, "sm_100a") is None  # no table for the arch
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_committed_tables_hold_runnable_tilings_under_their_own_keys(arch):
+    tuned_table.cache_clear()
+    for bucket, entry in tuned_table(arch).items():
+        m, n, k = entry["shape"]
+        majors = bucket.split()[1]
+        assert bucket == shape_bucket(m, n, k, majors[0] == "k", majors[1] == "k")
+        assert tune.runnable(entry["tiling"], arch) is not None, (bucket, entry["tiling"])
+
+
+def test_candidates_an_arch_cannot_run_are_skipped():
+    assert tune.runnable("128x128c2x1p", "sm_90a") is not None
+    assert tune.runnable("128x128c2x1p", "sm_100a") is None  # pingpong is Hopper's
+    assert all(tune.runnable(spec, "sm_90a") for spec in tune.CANDIDATES)
+
+
+@pytest.mark.gpu
+def test_matmul_takes_the_tables_pick(table, monkeypatch):
+    import torch
+
+    from cutebwd.kernels import gemm
+
+    picked = []
+    choose = gemm.choose_tiling
+    monkeypatch.setattr(gemm, "choose_tiling", lambda tiling, *rest: picked.append(tiling) or choose(tiling, *rest))
+    a = torch.randn(100, 5000, device="cuda").bfloat16()
+    w = torch.randn(5000, 5120, device="cuda").bfloat16()  # b = w.t(): [5120, 5000], M-major
+    out = gemm.matmul_nt(a, w.t())
+    assert picked == [GemmTiling.from_spec("128x64")]
+    expected = a.float() @ w.float()
+    assert (torch.linalg.norm(out.float() - expected) / torch.linalg.norm(expected)).item() < 1e-2

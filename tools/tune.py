@@ -1,0 +1,130 @@
+"""Shape-sweep tuner for the GEMM core: per product shape bucket, every candidate tiling is
+checked against an fp32 product, then the passing ones are timed turn by turn in CUDA-graph
+replay; the fastest goes to layouts/tuned/<arch>.json, which matmul_nt's dispatch reads
+(layouts.gemm.tuned_tiling) before its default rules.
+
+    python -m cutebwd.tools.tune [--tokens 128,512,2048,8192] [--only "dW T=128"]
+                                 [--candidates 128x256c2x1,...] [--resume] [--out PATH] [--seconds 0.3]
+
+Products: a linear layer's backward (dX = dY . W, dW = dY^T . X) at the decoder layer's and
+051's widths (tools/bench_gemm.products). A bucket holds the products whose M and K round up
+to the same powers of two (layouts.gemm.shape_bucket). The table is written after every
+product, so an interrupted run continues with --resume. Progress on stderr.
+
+The norm kernels (013, 087) have no tunable here: their launch shapes are compile-time
+constants chosen by the sweeps in tools/reports/013-notes.md and 087-notes.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+# The tilings of the sweeps behind the default rules (tools/reports/gemm-notes.md), for sm_90a;
+# a candidate an arch cannot run is skipped for it.
+CANDIDATES = ("128x256c2x1", "128x256", "128x128c2x1", "128x128", "128x128c2x1p", "128x64", "64x128",
+              "64x128c2x1", "128x160c2x1", "256x160")
+MAX_RELATIVE_ERROR = 1e-2  # bench_gemm's bar: Frobenius norm against the fp32 product
+
+
+def runnable(spec: str, arch: str):
+    """The candidate's GemmTiling, or None where the arch cannot run it."""
+    from cutebwd.layouts.gemm import GemmTiling
+
+    tiling = GemmTiling.from_spec(spec)
+    try:
+        tiling.check_sm90() if arch == "sm_90a" else tiling.check_sm100()
+    except ValueError:
+        return None
+    return tiling
+
+
+def relative_error(out, reference) -> float:
+    import torch
+
+    return (torch.linalg.norm(out.float() - reference) / torch.linalg.norm(reference)).item()
+
+
+def tune_product(ours_args, default, candidates, seconds: float):
+    """{spec: (graph us, relative error)} for the default rules' tiling (spec 'default') and each
+    candidate: each checked on a NaN-poisoned output first, the passing ones timed turn by turn."""
+    import torch
+
+    from cutebwd.kernels.gemm import matmul_nt
+    from cutebwd.tools import timing
+
+    a, b = ours_args
+    reference = torch.matmul(a.float(), b.float().t())
+    errors, timed = {}, {}
+    for spec, tiling in (("default", default), *candidates):
+        out = torch.full((a.shape[0], b.shape[0]), float("nan"), dtype=torch.bfloat16, device=a.device)
+        matmul_nt(a, b, out=out, tiling=tiling)
+        errors[spec] = relative_error(out, reference)
+        if errors[spec] < MAX_RELATIVE_ERROR:  # NaN fails too
+            timed[spec] = lambda tiling=tiling, out=out: matmul_nt(a, b, out=out, tiling=tiling)
+    del reference
+    times = timing.interleaved_us(timed, seconds=seconds, warmup_s=seconds / 3)
+    return {spec: (times.get(spec), errors[spec]) for spec in errors}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="128,512,2048,8192", help="comma-separated T values")
+    parser.add_argument("--only", default="", help="only products whose name contains this")
+    parser.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated tiling specs")
+    parser.add_argument("--seconds", type=float, default=0.3, help="turn-by-turn timing per product")
+    parser.add_argument("--out", help="the table (default layouts/tuned/<arch>.json)")
+    parser.add_argument("--resume", action="store_true", help="keep the table's buckets and skip them")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from cutebwd.tools import timing
+
+    if not timing.have_gpu("tune"):
+        return 0
+    import torch
+
+    from cutebwd.kernels.runtime import device_arch
+    from cutebwd.layouts.gemm import TUNED_DIR, default_tiling, shape_bucket, tuned_table
+    from cutebwd.tools.bench_gemm import operands, products
+
+    arch = device_arch(torch.cuda.current_device())
+    path = Path(args.out) if args.out else TUNED_DIR / f"{arch}.json"
+    table = json.loads(path.read_text()) if args.resume and path.exists() else {}
+    table.update({"arch": arch, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "date": datetime.date.today().isoformat(), "method": "graph replay, turn by turn"})
+    entries = table.setdefault("entries", {})
+    candidates = [(spec, t) for spec in args.candidates.split(",") if (t := runnable(spec, arch)) is not None]
+    chosen = [p for p in products([int(t) for t in args.tokens.split(",")]) if args.only in p[0]]
+    generator = torch.Generator(device="cuda").manual_seed(args.seed)
+    started = time.perf_counter()
+    for i, (name, t, out_features, in_features, product) in enumerate(chosen, 1):
+        (a, b), _ = operands(t, out_features, in_features, product, generator)
+        m, k, n = *a.shape, b.shape[0]
+        bucket = shape_bucket(m, n, k, a.stride(1) == 1, b.stride(1) == 1)
+        if bucket in entries and args.resume:
+            timing.progress(f"[{i}/{len(chosen)}] {name}: {bucket} already tuned, skipped")
+            continue
+        rules = default_tiling(m, n, k, arch)  # what dispatch picks without a table
+        results = tune_product((a, b), rules, candidates, args.seconds)
+        timed = {spec: us for spec, (us, _) in results.items() if us is not None}
+        best = min(timed, key=timed.get)
+        default = rules.spec
+        entries[bucket] = {"tiling": default if best == "default" else best, "us": timed[best],
+                           "default": default, "default_us": timed.get("default"), "product": name,
+                           "shape": [m, n, k], "failed": sorted(s for s, (_, e) in results.items()
+                                                                if not e < MAX_RELATIVE_ERROR)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        elapsed = time.perf_counter() - started
+        timing.progress(f"[{i}/{len(chosen)}] {name}: {entries[bucket]['tiling']} {timed[best]:.1f} us, default "
+                        f"{default} {timed.get('default', float('nan')):.1f} us  (eta {elapsed / i * (len(chosen) - i):.0f} s)")
+    tuned_table.cache_clear()
+    print(f"wrote {path}: {len(entries)} buckets")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
