@@ -1,9 +1,10 @@
 """The on-disk layer of the compile cache: a TVM-FFI build exported as an object file once, so a
 new process loads it (~2 ms) instead of compiling it again (1-3 s a build).
 
-A file's name is a digest of the build's key, its arch, the DSL's version and the source of
-every kernel and layout module of this package, so an edit to any of them, or a new DSL, reads
-as a miss: the cache never hands back code from other sources. Files are written to a temporary
+A file's name is a digest of the build's key, its arch, the DSL's version and switches
+(CUTE_DSL_*) and the source of every kernel and layout module of this package, so an edit to
+any of them, or a new DSL, reads as a miss: the cache never hands back code from other
+sources. Files live in one folder per source digest; the KEEP_VERSIONS newest are kept. Files are written to a temporary
 name and renamed, so processes sharing the cache never read half a file.
 
 Where: $CUTEBWD_CACHE_DIR, else $XDG_CACHE_HOME/cutebwd, else ~/.cache/cutebwd;
@@ -39,6 +40,8 @@ def code_digest() -> str:
     from importlib.metadata import version
 
     digest = hashlib.sha256(version("nvidia-cutlass-dsl").encode())
+    # the DSL's own switches (CUTE_DSL_*) can change what it generates
+    digest.update(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL"))).encode())
     for folder in ("kernels", "layouts"):
         for path in sorted((_PACKAGE / folder).glob("*.py")):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -74,6 +77,18 @@ def load(name: str):
         return None
 
 
+KEEP_VERSIONS = 4  # code digests kept side by side (a branch switch need not recompile)
+
+
+def _prune(root: Path) -> None:
+    """Deletes all but the KEEP_VERSIONS most recently written code-digest folders."""
+    import shutil
+
+    folders = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in folders[KEEP_VERSIONS:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def store(name: str, compiled) -> None:
     """Exports a TVM-FFI build under `name`. A cache that cannot be written costs only the
     next process's compile time, so failures warn and go on."""
@@ -81,7 +96,9 @@ def store(name: str, compiled) -> None:
     if path is None:
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.exists():  # a new code version: make room for it
+            path.parent.mkdir(parents=True)
+            _prune(path.parent.parent)
         handle, temporary = tempfile.mkstemp(suffix=".o", dir=path.parent)
         os.close(handle)
         try:

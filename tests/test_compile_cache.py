@@ -89,3 +89,14 @@ def test_loaded_builds_compute_what_compiled_ones_do(tmp_path):
                                       text=True).stdout.splitlines()[-1]) for _ in range(2)]
     assert runs[0]["ok"] and runs[1]["ok"]
     assert not any(runs[0]["loaded"]) and runs[1]["loaded"] and all(runs[1]["loaded"])
+
+
+def test_old_code_versions_are_pruned(cache, monkeypatch):
+    for i in range(disk_cache.KEEP_VERSIONS + 2):
+        old = cache / f"version{i}"
+        old.mkdir()
+        os.utime(old, (i, i))  # older first
+    build_range_and_keys(Int64, "sm_90a")
+    kept = sorted(p.name for p in cache.iterdir())
+    assert disk_cache.code_digest() in kept and len(kept) == disk_cache.KEEP_VERSIONS
+    assert "version0" not in kept and f"version{disk_cache.KEEP_VERSIONS + 1}" in kept

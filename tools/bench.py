@@ -309,8 +309,9 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     log("[bench] ceilings ...")
-    bandwidth, rate = timing.copy_bandwidth(), timing.matmul_rate()
-    log(f"[bench] copy {bandwidth / 1e12:.3f} TB/s, bf16 matmul {rate / 1e12:.1f} TFLOP/s")
+    bandwidth, rate, copy_host = timing.copy_bandwidth(), timing.matmul_rate(), timing.copy_host_us()
+    log(f"[bench] copy {bandwidth / 1e12:.3f} TB/s, bf16 matmul {rate / 1e12:.1f} TFLOP/s, "
+        f"Tensor.copy_ host {copy_host:.1f} us a call")
     rows = []
     for name in args.problem or list(PROBLEMS):
         problem = PROBLEMS[name]
@@ -323,13 +324,15 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "copy_bandwidth": bandwidth, "matmul_rate": rate,
+              "copy_host_us": copy_host,
               "rows": rows, "summary": summary,
               "functional_ratios": [{"seq_len": seq, "batch_size": batch, "options": options, "ratio": ratio}
                                     for (seq, batch, options), ratio in functional_ratios(rows)]}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{result['gpu']}, {result['date']}: copy {bandwidth / 1e12:.3f} TB/s, "
-          f"bf16 matmul {rate / 1e12:.1f} TFLOP/s")
+          f"bf16 matmul {rate / 1e12:.1f} TFLOP/s; host cost of Tensor.copy_ {copy_host:.1f} us a call "
+          f"(the 'host us' column's reference, same method)")
     print(format_tables(rows, summary))
     print(f"wrote {args.json} ({time.perf_counter() - started:.0f} s)")
     return 0 if all(r["parity_ok"] for r in rows) else 1

@@ -149,6 +149,14 @@ def host_us(fn, arg_sets, *, calls: int = 200, repeats: int = 3) -> float:
     return statistics.median(once() for _ in range(repeats))
 
 
+def copy_host_us(nbytes: int = 1 << 20) -> float:
+    """host_us of PyTorch's own `Tensor.copy_` of `nbytes` on the device: the reference the
+    ops' host cost per call is read against, measured in the same process."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    return host_us(lambda: dst.copy_(src), [()], calls=2000)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes per second of a device-to-device copy of `nbytes`, counting bytes read + written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
