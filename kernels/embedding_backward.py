@@ -238,7 +238,6 @@ class EmbeddingRmsNormBackward:
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
 
-
     @cute.jit
     def zero_untouched(self, m_table, m_touched, bidx, ctas, tidx):
         """Zeroes the rows of this CTA's share of the table (an even cut of [0, V)) whose bit in

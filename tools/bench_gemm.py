@@ -33,6 +33,11 @@ MAX_RELATIVE_ERROR = 1e-2  # Frobenius norm, bf16 output against the fp32 produc
 ROUNDS = 3  # alternated timing rounds per product
 
 
+def relative_error(out, reference) -> float:
+    """The Frobenius-norm error of a bf16 (or fp32) product against its fp32 reference."""
+    return (torch.linalg.norm(out.float() - reference) / torch.linalg.norm(reference)).item()
+
+
 def products(tokens, widths=WIDTHS):
     """(name, T, out, in, product) for each linear layer: product in ('dX', 'dW')."""
     return [(f"{p} T={t} {o}x{i}", t, o, i, p) for t in tokens for o, i in widths for p in ("dX", "dW")]
@@ -58,7 +63,7 @@ def bench_product(name, ours_args, cublas_args, flops, log, tilings=()):
     errors = {}
     for who, tiling in candidates.items():
         out = matmul_nt(*ours_args, tiling=tiling)
-        errors[who] = (torch.linalg.norm(out.float() - reference) / torch.linalg.norm(reference)).item()
+        errors[who] = relative_error(out, reference)
     del out, reference
     timed = {who: (lambda tiling=tiling: matmul_nt(*ours_args, tiling=tiling)) for who, tiling in candidates.items()}
     timed["cublas"] = lambda: torch.matmul(*cublas_args)
