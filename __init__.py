@@ -8,6 +8,9 @@ import, and `cutebwd.references` needs none of it):
     cutebwd.embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weight, *,
                                        vocab_size=65536, out=None, accumulate=False)
 
+    cutebwd.qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight,
+                                q_norm_weight, k_norm_weight, query_transposed, key_transposed, q_rstd,
+                                k_rstd, q_normed, k_normed, rms_norm_eps=1e-6, *, out=None)
     cutebwd.ResidualRMSNorm(hidden, eps=1e-6)     autograd module, 013's kernel as its backward
 
 `import cutebwd.kernels.torch_ops` registers the ops as torch.ops.cutebwd.* custom operators
@@ -23,6 +26,7 @@ _OPS = {
     "rms_rstd": "cutebwd.kernels.row_rstd",
     "fused_residual_rmsnorm_backward": "cutebwd.kernels.rmsnorm_backward",
     "embedding_rmsnorm_backward": "cutebwd.kernels.embedding_backward",
+    "qkv_qknorm_backward": "cutebwd.kernels.qkv_qknorm_backward",
     "ResidualRMSNorm": "cutebwd.kernels.torch_ops",
 }
 

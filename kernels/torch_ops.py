@@ -69,6 +69,30 @@ def _(grad_output, input_ids, hidden_states, rstd, weight, grad_embedding, grad_
     return None
 
 
+@torch.library.custom_op(f"{_LIBRARY}::qkv_qknorm_backward", mutates_args=())
+def qkv_qknorm_backward(grad_query: torch.Tensor, grad_key: torch.Tensor, grad_value: torch.Tensor,
+                        hidden_states: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                        v_weight: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                        query_transposed: torch.Tensor, key_transposed: torch.Tensor, q_rstd: torch.Tensor,
+                        k_rstd: torch.Tensor, q_normed: torch.Tensor, k_normed: torch.Tensor, rms_norm_eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """L1/051 -> its six gradients; see kernels/qkv_qknorm_backward.py."""
+    from .qkv_qknorm_backward import qkv_qknorm_backward as op
+
+    return op(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
+              k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd, q_normed, k_normed, rms_norm_eps)
+
+
+@qkv_qknorm_backward.register_fake
+def _(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight,
+      query_transposed, key_transposed, q_rstd, k_rstd, q_normed, k_normed, rms_norm_eps):
+    head_dim = grad_query.shape[-1]
+    return (hidden_states.new_empty(hidden_states.shape), q_weight.new_empty(q_weight.shape),
+            k_weight.new_empty(k_weight.shape), v_weight.new_empty(v_weight.shape),
+            hidden_states.new_empty((head_dim,), dtype=torch.float32),
+            hidden_states.new_empty((head_dim,), dtype=torch.float32))
+
+
 class _ResidualRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, residual, weight, eps):

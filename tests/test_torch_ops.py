@@ -39,6 +39,15 @@ def test_fake_implementations_give_shapes_and_dtypes():
         assert table.shape == (100, 128) and table.dtype == torch.bfloat16 and dw.shape == (128,)
 
 
+def test_qkv_fake_implementation():
+    *tensors, eps = PROBLEMS["qkv_qknorm_backward"].make_inputs(2, 16)  # on the CPU: only shapes matter
+    with FakeTensorMode() as mode:
+        outs = torch.ops.cutebwd.qkv_qknorm_backward(*(mode.from_tensor(t) for t in tensors), eps)
+    want = [(2, 16, 640), (1024, 640), (256, 640), (256, 640), (256,), (256,)]
+    assert [tuple(o.shape) for o in outs] == want
+    assert [o.dtype for o in outs] == [torch.bfloat16] * 4 + [torch.float32] * 2
+
+
 def test_a_traced_function_keeps_each_op_as_one_node():
     def step(go, x, r, w, ids, table, gw):
         dh, dr, dw = torch.ops.cutebwd.fused_residual_rmsnorm_backward(go, x, None, r, w)
@@ -72,6 +81,8 @@ def test_operator_checks():
     torch.library.opcheck(torch.ops.cutebwd.embedding_rmsnorm_backward, (go, ids, hs, r, w, 100))
     table, gw = torch.randn(100, 256, device="cuda").bfloat16(), torch.empty(256, device="cuda")
     torch.library.opcheck(torch.ops.cutebwd.embedding_rmsnorm_backward_accumulate, (go, ids, hs, r, w, table, gw))
+    torch.library.opcheck(torch.ops.cutebwd.qkv_qknorm_backward,
+                          PROBLEMS["qkv_qknorm_backward"].make_inputs(2, 64, device="cuda", seed=2))
 
 
 @pytest.mark.gpu

@@ -102,6 +102,13 @@ register("fused_residual_rmsnorm_backward", "cutebwd n=None out=", read_normaliz
     lambda problem: _ours_013_into(False))
 
 
+@register("qkv_qknorm_backward", "cutebwd")
+def _ours_051(problem):
+    from cutebwd.kernels.qkv_qknorm_backward import qkv_qknorm_backward
+
+    return qkv_qknorm_backward
+
+
 @register("embedding_rmsnorm_backward", "cutebwd")
 def _ours_087(problem):
     from cutebwd.kernels.embedding_backward import embedding_rmsnorm_backward

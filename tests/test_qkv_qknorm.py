@@ -1,0 +1,86 @@
+"""L1/051 against the fp32 reference: the 16 workloads, odd sizes, per-head inputs that are
+transposed views, repeatability, argument errors."""
+import pytest
+import torch
+
+from cutebwd.references import PROBLEMS
+from cutebwd.references.workloads import WORKLOADS
+from cutebwd.tools.parity import check_problem
+
+PROBLEM = PROBLEMS["qkv_qknorm_backward"]
+
+
+def kernel(*args, **kwargs):
+    from cutebwd import qkv_qknorm_backward
+
+    return qkv_qknorm_backward(*args, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq,batch", WORKLOADS["qkv_qknorm_backward"])
+def test_workloads(seq, batch):
+    check_problem(PROBLEM, kernel, batch, seq, seed=seq * 100 + batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,seq,dims", [
+    (1, 1, {}),
+    (3, 37, {"head_dim": 128, "q_heads": 2, "hidden": 648}),
+    (2, 100, {"head_dim": 64, "q_heads": 8, "hidden": 256}),
+    (1, 300, {"head_dim": 512, "q_heads": 1, "hidden": 1024}),
+])
+def test_odd_sizes(batch, seq, dims):
+    check_problem(PROBLEM, kernel, batch, seq, dims=dims, seed=batch + seq)
+
+
+@pytest.mark.gpu
+def test_inputs_from_a_forward_pass():
+    check_problem(PROBLEM, kernel, 2, 211, consistent=True, seed=4)
+
+
+@pytest.mark.gpu
+def test_per_head_inputs_read_through_transposed_views():
+    """A model's [b, heads, s, d] tensors are often transposes of [b, s, heads, d]."""
+    def transposed(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def with_views(*inputs, out):
+        inputs = list(inputs)
+        for i in (0, 1, 9, 10, 13, 14):  # grad_query, grad_key, query/key_transposed, q/k_normed
+            inputs[i] = transposed(inputs[i])
+        assert inputs[0].stride()[1] == 256 and not inputs[0].is_contiguous()
+        return kernel(*inputs, out=out)
+
+    check_problem(PROBLEM, with_views, 2, 128, seed=5)
+
+
+@pytest.mark.gpu
+def test_norm_weight_gradients_are_bitwise_repeatable():
+    inputs = PROBLEM.make_inputs(4, 1024, device="cuda", seed=6)
+    first = [t.clone() for t in kernel(*inputs)]
+    for _ in range(3):
+        again = kernel(*inputs)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+def test_argument_errors():
+    inputs = list(PROBLEM.make_inputs(1, 16, device="cuda", seed=1))
+    bad = list(inputs)
+    bad[0] = bad[0].float()
+    with pytest.raises(TypeError, match="grad_query: expected dtype bfloat16"):
+        kernel(*bad)
+    bad = list(inputs)
+    bad[9] = bad[9][:, :, :8]
+    with pytest.raises(ValueError, match="query_transposed: expected shape"):
+        kernel(*bad)
+    bad = list(inputs)
+    bad[2] = torch.cat([bad[2], bad[2]], dim=1)
+    with pytest.raises(ValueError, match="grad_value"):
+        kernel(*bad)
+    bad = list(inputs)
+    bad[4] = bad[4].cpu()
+    with pytest.raises(ValueError, match="q_weight: expected a CUDA tensor"):
+        kernel(*bad)
+    with pytest.raises(ValueError, match="out: a tuple of the six outputs"):
+        kernel(*inputs, out=(torch.empty(1),))
