@@ -7,8 +7,8 @@ Work split: one warp per (token, head) row; a lane holds 16-byte vectors of 8 bf
 one per lane), so the row's dot product is one warp reduction. Warps walk the q rows then the
 k rows, grid-stride, a fixed set of rows per warp for a given row count; each keeps fp32 sums
 of grad * normed for its lanes' columns, and the CTA adds its warps in warp order into one
-partial row per CTA (q and k apart). `ColumnSum` adds the partial rows in a fixed order:
-bitwise repeatable norm-weight gradients, no float atomics.
+partial row per CTA (q then k). `ColumnSum` adds the partial rows in a fixed order (one
+launch for both): bitwise repeatable norm-weight gradients, no float atomics.
 """
 from __future__ import annotations
 
@@ -49,26 +49,31 @@ class QkNormBackward:
         self.head_dim = head_dim
         self.vectors = head_dim // VECTOR
         self.vectors_per_lane = -(-self.vectors // 32)
-        self.column_sum = ColumnSum(head_dim)
+        # both gradients' partial rows side by side: one column-sum launch, q's half to
+        # grad_weight_q and k's to grad_weight_k
+        self.column_sum = ColumnSum(2 * head_dim, split=head_dim)
 
     @cute.jit
     def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
                  weight_q: cute.Tensor, dq: cute.Tensor, grad_k: cute.Tensor, pre_k: cute.Tensor,
                  rstd_k: cute.Tensor, normed_k: cute.Tensor, weight_k: cute.Tensor, dk: cute.Tensor,
-                 partials_q: cute.Tensor, partials_k: cute.Tensor, grad_weight_q: cute.Tensor,
-                 grad_weight_k: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
+                 partials: cute.Tensor, grad_weight_q: cute.Tensor, grad_weight_k: cute.Tensor, ctas: Int32,
+                 stream: cuda.CUstream):
+        """partials: fp32 [rows >= ctas, 2d]: one row per CTA of the grid, its q sums then its k sums."""
         q = (head_rows(grad_q), head_rows(pre_q), head_rows(rstd_q), head_rows(normed_q), weight_q, token_rows(dq))
         k = (head_rows(grad_k), head_rows(pre_k), head_rows(rstd_k), head_rows(normed_k), weight_k, token_rows(dk))
-        self.kernel(*q, *k, partials_q, partials_k).launch(grid=[ctas, 1, 1], block=[32 * WARPS, 1, 1],
-                                                           stream=stream)
-        # grad_weight_q, grad_weight_k = the partial rows of the CTAs that ran, added in order
-        self.column_sum(partials_q, grad_weight_q, stream)
-        self.column_sum(partials_k, grad_weight_k, stream)
+        width = 2 * self.head_dim
+        cta_rows = cute.make_tensor(partials.iterator, cute.make_layout((ctas, width), stride=(width, 1)))
+        self.kernel(*q, *k, cta_rows).launch(grid=[ctas, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
+        # grad_weight_q, grad_weight_k = the partial rows of the CTAs that ran, added in order.
+        # (Summing them in the norm kernel instead, by its last CTAs, was measured in session 14:
+        # ~3 us less host time a call but 1.5-8 us more GPU time, a worse mean.)
+        self.column_sum(cta_rows, grad_weight_q, stream, out2=grad_weight_k)
 
     @cute.kernel
     def kernel(self, g_q: cute.Tensor, x_q: cute.Tensor, r_q: cute.Tensor, n_q: cute.Tensor, w_q: cute.Tensor,
                o_q: cute.Tensor, g_k: cute.Tensor, x_k: cute.Tensor, r_k: cute.Tensor, n_k: cute.Tensor,
-               w_k: cute.Tensor, o_k: cute.Tensor, m_part_q: cute.Tensor, m_part_k: cute.Tensor):
+               w_k: cute.Tensor, o_k: cute.Tensor, m_part: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -89,8 +94,10 @@ class QkNormBackward:
                 self.row(atom, g_k, x_k, r_k, n_k, o_k, scale_k, sums_k, r - rows_q, lane)
         smem = cutlass.memory.SmemAllocator()
         across = smem.allocate_tensor(Float32, cute.make_layout((self.head_dim, WARPS)), byte_alignment=16)
-        self.partial_row(sums_q, across, m_part_q[bidx, None], lane, warp, tidx)
-        self.partial_row(sums_k, across, m_part_k[bidx, None], lane, warp, tidx)
+        d = self.head_dim
+        row = m_part[bidx, None]
+        self.partial_row(sums_q, across, cute.make_tensor(row.iterator, cute.make_layout((d,))), lane, warp, tidx)
+        self.partial_row(sums_k, across, cute.make_tensor(row.iterator + d, cute.make_layout((d,))), lane, warp, tidx)
 
     @cute.jit
     def one_plus(self, atom, m_weight, lane):

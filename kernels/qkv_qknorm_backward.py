@@ -2,15 +2,17 @@
 (qk_norm_rows), then the products on the GEMM core (issue 7's summed and grouped modes),
 all launched by one host call.
 
-    dq, dk, grad_{q,k}_norm_weight                    the norm rows kernel and two column sums
+    dq, dk, grad_{q,k}_norm_weight                    the norm rows kernel and one column sum
     grad_hidden_states = [dq dk dv] . [Wq; Wk; Wv]    one summed product
     grad_{q,k,v}_weight = [dq dk dv]^T . hidden       one grouped product
 
-Why one host call: on the H200 host each torch view, transpose or allocation costs ~3-4 us and
-each TVM-FFI call ~8 us plus ~5 us a launch, so the first version (three host calls, dq/dk
-allocated and viewed in Python) spent ~140 us of host time on calls whose GPU time is 20-60 us
+Why one host call and few launches: on the H200 host each torch view, transpose or allocation
+costs ~3-6 us and each launch from a compiled host function ~4.3 us (the TVM-FFI call itself
+well under 1 us), so the first version (three host calls, five launches, dq/dk allocated and
+viewed in Python) spent ~140 us of host time on calls whose GPU time is 20-60 us
 (tools/reports/051-plan.md). Here every view is a CuTe layout built inside the compiled host
-function, and dq/dk live in a per-stream scratch buffer.
+function, dq/dk live in a per-stream scratch buffer, and one column-sum launch adds both
+norm-weight gradients' partials.
 
 dq and dk still go through global memory (bf16, one [T, (heads + 1) * d] buffer: dq's columns,
 then dk's); issue 9's aim, dq and dk made inside the products' operand path and never written,
@@ -48,9 +50,10 @@ def transposed(t):
 
 
 class QkvQkNormBackward:
-    """The whole backward in one compiled host function: the norm rows kernel and its column
-    sums, then the summed product (A K-major, B = the weights read N-major in place) and the
-    grouped product (A = dq/dk/dv read M-major, B = hidden_states read N-major)."""
+    """The whole backward in one compiled host function, four launches: the norm rows kernel
+    (dq, dk, per-CTA partials), the column sum of both norm-weight gradients, the summed
+    product (A K-major, B = the weights read N-major in place) and the grouped product (A =
+    dq/dk/dv read M-major, B = hidden_states read N-major)."""
 
     def __init__(self, head_dim: int, q_heads: int, hidden: int, arch: str, summed: GemmTiling,
                  grouped: GemmTiling):
@@ -76,12 +79,10 @@ class QkvQkNormBackward:
         # dq and dk as one [T, (heads + 1) * d] bf16 buffer; the norm kernel sees [b, s, heads, d]
         dq = cute.make_tensor(dqk.iterator, cute.make_layout((batch, seq, self.q_heads, d),
                                                              stride=(seq * row, row, d, 1)))
-        dk = cute.make_tensor(dqk.iterator + q_cols, cute.make_layout((batch, seq, 1, d), stride=(seq * row, row, d, 1)))
-        # per CTA: its partial rows of both norm-weight gradients, q then k
-        part_q = rows(norm_partials, norm_ctas, d, 2 * d)
-        part_k = cute.make_tensor(norm_partials.iterator + d, part_q.layout)
+        dk = cute.make_tensor(dqk.iterator + q_cols,
+                              cute.make_layout((batch, seq, 1, d), stride=(seq * row, row, d, 1)))
         self.norm(grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k, normed_k, weight_k, dk,
-                  part_q, part_k, grad_weight_q, grad_weight_k, norm_ctas, stream)
+                  norm_partials, grad_weight_q, grad_weight_k, norm_ctas, stream)
         rows_q = rows(dqk, tokens, q_cols, row)
         rows_k = cute.make_tensor(dqk.iterator + q_cols, cute.make_layout((tokens, d), stride=(row, 1)))
         rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
@@ -144,10 +145,21 @@ def _build(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
+def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
+    """grad_hidden's tiling: the GEMM core's rules, but for one band measured better."""
+    if arch == "sm_90a" and 3072 <= tokens < 6144 and hidden % 160 == 0:
+        # Swept on the H200 (session 14, graph replay, Gemma-3-270m dims): at T = 4096 the
+        # rules' 128x128c2x1p took 18.7 us and 128 x 160 tiles in 2 x 1 clusters 14.0 (four
+        # column tiles of N = 640: 32 x 4 = 128 tiles, one wave); at T = 2048 and 8192 the
+        # rules' picks were within 2% of the best.
+        return GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
+    return default_tiling(tokens, hidden, width, arch)
+
+
 def _audit_build(tokens: int):
     """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`."""
     def build(arch, dump_dir):
-        return _build(256, 4, 640, default_tiling(tokens, 640, 1536, arch), default_tiling(1536, 640, tokens, arch),
+        return _build(256, 4, 640, summed_tiling(tokens, 640, 1536, arch), default_tiling(1536, 640, tokens, arch),
                       arch, dump_dir)
     return build
 
@@ -172,6 +184,7 @@ class _Entry:
         self.device, self.head_dim, self.q_heads = device, head_dim, q_heads
         self.arch = _device_arch(device)
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        # per stream: one partial row of both norm-weight gradients per CTA of the norm grid
         self.partials = runtime.StreamWorkspace(self.max_ctas, 2 * head_dim, device)
         self.dqk = runtime.GrowingBuffer(torch.bfloat16, device)
 
@@ -185,7 +198,7 @@ class _Plan:
 
         d, tokens = entry.head_dim, batch * seq
         widths = (entry.q_heads * d, d, d)
-        summed = default_tiling(tokens, hidden, sum(widths), entry.arch)
+        summed = summed_tiling(tokens, hidden, sum(widths), entry.arch)
         grouped = default_tiling(sum(widths), hidden, tokens, entry.arch)
         self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch))
 
@@ -260,11 +273,13 @@ def _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim):
 
     from .checks import check_same_device, check_tensor
 
+    if out is None:  # empty_like: ~3.3 us a tensor on the H200 host against ~6 for torch.empty(shape, ...)
+        return (torch.empty_like(hidden_states), torch.empty_like(q_weight), torch.empty_like(k_weight),
+                torch.empty_like(v_weight), torch.empty(head_dim, dtype=torch.float32, device=hidden_states.device),
+                torch.empty(head_dim, dtype=torch.float32, device=hidden_states.device))
     shapes = (tuple(hidden_states.shape), tuple(q_weight.shape), tuple(k_weight.shape), tuple(v_weight.shape),
               (head_dim,), (head_dim,))
     dtypes = (torch.bfloat16,) * 4 + (torch.float32,) * 2
-    if out is None:
-        return tuple(torch.empty(s, dtype=d, device=hidden_states.device) for s, d in zip(shapes, dtypes))
     if not isinstance(out, (tuple, list)) or len(out) != 6:
         raise ValueError(f"out: a tuple of the six outputs {OUTPUT_NAMES}")
     for name, t, shape, dtype in zip(OUTPUT_NAMES, out, shapes, dtypes):
@@ -282,7 +297,7 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
     strides (unit last stride, others multiples of 8); grad_value is read in place as the
     [T, d] operand, so one kv head (Gemma-3-270m's) with contiguous rows. out= takes the six
     outputs. The norm-weight gradients are bitwise repeatable (fixed-order sums); the weight
-    gradients as the GEMM core's split-K is (fixed order). Five launches, one host call."""
+    gradients as the GEMM core's split-K is (fixed order). Four launches, one host call."""
     inputs = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
               k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd, q_normed, k_normed)
     try:
