@@ -98,12 +98,20 @@ def _resolve(a_list, b, outs, tiling, c_dtype, stream_k):
     a_k_major, b_k_major = _k_major(a_list[0], "a_list[0]"), _k_major(b, "b")
     chosen = tiling or default_tiling(sum(ms), n, k, arch)
     run = _kernel(arch, b.device, chosen, a_k_major, b_k_major, c_dtype, products=len(a_list), stack="m")
-    # The schedule sees the products' rows stacked, each padded to whole cluster tiles.
-    rows = chosen.tile_m * chosen.cluster_m
-    stacked = sum(-(-m // rows) * rows for m in ms)
     call = _calls[ms, n, k, a_k_major, b_k_major, c_dtype, b.device.index, tiling, stream_k] = _Call(
-        *run, chosen, stacked, n, k, b.device, stream_k, getattr(torch, c_dtype))
+        *run, chosen, stacked_rows(ms, chosen), n, k, b.device, stream_k, getattr(torch, c_dtype))
     return call
+
+
+def stacked_rows(ms, tiling: GemmTiling) -> int:
+    """The M a group's schedule sees: the products' rows stacked, each padded to whole cluster tiles."""
+    rows = tiling.tile_m * tiling.cluster_m
+    return sum(-(-m // rows) * rows for m in ms)
+
+
+def stacked_k(ks, tiling: GemmTiling) -> int:
+    """The K a sum's schedule sees: the terms' k-tiles laid end to end, each padded to whole k-tiles."""
+    return sum(-(-k // tiling.tile_k) * tiling.tile_k for k in ks)
 
 
 _summed_calls: dict = {}  # (Ks, M, N, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> _Call
@@ -189,8 +197,6 @@ def _resolve_summed(pairs, out, tiling, c_dtype, stream_k):
     a_k_major, b_k_major = _k_major(pairs[0][0], "pairs[0][0]"), _k_major(pairs[0][1], "pairs[0][1]")
     chosen = tiling or default_tiling(m, n, sum(ks), arch)
     run = _kernel(arch, device, chosen, a_k_major, b_k_major, c_dtype, products=len(pairs), stack="k")
-    # The schedule sees the terms' k-tiles laid end to end, each padded to whole k-tiles.
-    stacked = sum(-(-k // chosen.tile_k) * chosen.tile_k for k in ks)
     call = _summed_calls[ks, m, n, a_k_major, b_k_major, c_dtype, device.index, tiling, stream_k] = _Call(
-        *run, chosen, m, n, stacked, device, stream_k, getattr(torch, c_dtype))
+        *run, chosen, m, n, stacked_k(ks, chosen), device, stream_k, getattr(torch, c_dtype))
     return call

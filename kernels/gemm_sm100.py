@@ -573,6 +573,7 @@ class Sm100SummedGemm(SummedEntry, Sm100Gemm):
 
 
 Sm100Gemm.Grouped, Sm100Gemm.Summed = Sm100GroupedGemm, Sm100SummedGemm
+MAIN_LOOP = Sm100Gemm  # the arch's main loop, for kernels that launch its products from their own host code
 
 
 def _smem_load_op(op):

@@ -501,6 +501,7 @@ class Sm90SummedGemm(SummedEntry, Sm90Gemm):
 
 
 Sm90Gemm.Grouped, Sm90Gemm.Summed = Sm90GroupedGemm, Sm90SummedGemm
+MAIN_LOOP = Sm90Gemm  # the arch's main loop, for kernels that launch its products from their own host code
 
 
 def mma_rows(acc, coords, m, tile_m: int):

@@ -1,222 +1,220 @@
-"""L1/051 Gemma3 QKV projection with Q/K RMSNorm backward, first version: the norm backward in
-one kernel, then the products on the GEMM core (issue 7's summed and grouped modes).
+"""L1/051 Gemma3 QKV projection with Q/K RMSNorm backward: the norm backward rows
+(qk_norm_rows), then the products on the GEMM core (issue 7's summed and grouped modes),
+all launched by one host call.
 
-    dq = bf16(rms_dx(grad_query * (1 + q_norm_weight), query_transposed, q_rstd))   per head row
-    grad_q_norm_weight = sum over rows of fp32(grad_query) * q_normed                (k likewise)
-    grad_hidden_states = [dq dk dv] . [Wq; Wk; Wv]          one summed product (matmul_nt_summed)
-    grad_{q,k,v}_weight = [dq dk dv]^T . hidden_states      one grouped product (matmul_nt_grouped)
+    dq, dk, grad_{q,k}_norm_weight                    the norm rows kernel and one column sum
+    grad_hidden_states = [dq dk dv] . [Wq; Wk; Wv]    one summed product
+    grad_{q,k,v}_weight = [dq dk dv]^T . hidden       one grouped product
 
-Launches: the norm kernel and two fixed-order column sums (one FFI call), the summed product,
-the grouped product. dq and dk go through global memory as bf16 [T, heads * d] (the
-projections' row layout, written there directly): issue 9's aim, dq and dk made inside the
-products' operand path and never written, is the next step; this version is the correct
-baseline it is measured against.
+Why one host call and few launches: on the H200 host each torch view, transpose or allocation
+costs ~3-6 us and each launch from a compiled host function ~4.3 us (the TVM-FFI call itself
+well under 1 us), so the first version (three host calls, five launches, dq/dk allocated and
+viewed in Python) spent ~140 us of host time on calls whose GPU time is 20-60 us
+(tools/reports/051-plan.md). Here every view is a CuTe layout built inside the compiled host
+function, dq/dk live in a per-stream scratch buffer, and one column-sum launch adds both
+norm-weight gradients' partials.
 
-Norm kernel work split: one warp per (token, head) row; a lane holds 16-byte vectors of 8
-bf16 (d = 256: one per lane), so the row's dot product is one warp reduction. Warps walk the
-q rows then the k rows, grid-stride, a fixed set of rows per warp for a given row count; each
-keeps fp32 sums of grad * normed for its lanes' columns, and the CTA adds its warps in warp
-order into one partial row per CTA (q and k apart). `ColumnSum` adds the partial rows in a
-fixed order: bitwise repeatable norm-weight gradients, no float atomics.
+dq and dk still go through global memory (bf16, one [T, (heads + 1) * d] buffer: dq's columns,
+then dk's); issue 9's aim, dq and dk made inside the products' operand path and never written,
+is the next step.
+
+Compile-time: head_dim, q heads and the hidden size (a model's dimensions) and the two
+products' tilings (picked per token count by the GEMM core's rules: three builds cover the 16
+workloads); batch and sequence are runtime extents.
 """
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
+import dataclasses
+import importlib
+
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory
 from cutlass import BFloat16, Float32, Int32
 
+from ..layouts.gemm import GemmTiling, default_tiling
 from . import runtime
-from .column_sum import ColumnSum
-
-VECTOR = 8  # bf16 elements per 16-byte access
-WARPS = 8
-CTAS_PER_SM = 4
-MAX_HEAD_DIM = 1024
+from .epilogue import STORE
+from .gemm import _ARCH_MODULES, _Call, _device_arch
+from .gemm_grouped import stacked_k, stacked_rows
+from .qk_norm_rows import CTAS_PER_SM, MAX_HEAD_DIM, VECTOR, WARPS, QkNormBackward
 
 
-def head_rows(t):
-    """[b, heads, s, d] -> [(s, heads, b), d]: row r = s + seq * (head + heads * b) walks the
-    per-head rows through the tensor's own strides."""
-    shape, stride = t.shape, t.stride
-    return cute.make_tensor(t.iterator, cute.make_layout(((shape[2], shape[1], shape[0]), shape[3]),
-                                                         stride=((stride[2], stride[1], stride[0]), stride[3])))
+def rows(t, count, width, stride):
+    """[count, width] rows of `stride` elements from t's start (unit column stride)."""
+    return cute.make_tensor(t.iterator, cute.make_layout((count, width), stride=(stride, 1)))
 
 
-def token_rows(t):
-    """[b, s, heads, d] (a view of the projection's [T, heads * d]) -> [(s, heads, b), d], row
-    for row the same order as head_rows."""
-    shape, stride = t.shape, t.stride
-    return cute.make_tensor(t.iterator, cute.make_layout(((shape[1], shape[2], shape[0]), shape[3]),
-                                                         stride=((stride[1], stride[2], stride[0]), stride[3])))
+def transposed(t):
+    """The [cols, rows] view of a 2-D tensor."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
 
 
-class QkNormBackward:
-    """dq, dk and the per-CTA partials of both norm-weight gradients, then their column sums."""
+class QkvQkNormBackward:
+    """The whole backward in one compiled host function, four launches: the norm rows kernel
+    (dq, dk, per-CTA partials), the column sum of both norm-weight gradients, the summed
+    product (A K-major, B = the weights read N-major in place) and the grouped product (A =
+    dq/dk/dv read M-major, B = hidden_states read N-major)."""
 
-    def __init__(self, head_dim: int):
-        self.head_dim = head_dim
-        self.vectors = head_dim // VECTOR
-        self.vectors_per_lane = -(-self.vectors // 32)
-        self.column_sum = ColumnSum(head_dim)
+    def __init__(self, head_dim: int, q_heads: int, hidden: int, arch: str, summed: GemmTiling,
+                 grouped: GemmTiling):
+        self.head_dim, self.q_heads, self.hidden = head_dim, q_heads, hidden
+        self.norm = QkNormBackward(head_dim)
+        main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
+        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE)
+        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE)
 
     @cute.jit
     def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
-                 weight_q: cute.Tensor, dq: cute.Tensor, grad_k: cute.Tensor, pre_k: cute.Tensor,
-                 rstd_k: cute.Tensor, normed_k: cute.Tensor, weight_k: cute.Tensor, dk: cute.Tensor,
-                 partials_q: cute.Tensor, partials_k: cute.Tensor, grad_weight_q: cute.Tensor,
-                 grad_weight_k: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
-        q = (head_rows(grad_q), head_rows(pre_q), head_rows(rstd_q), head_rows(normed_q), weight_q, token_rows(dq))
-        k = (head_rows(grad_k), head_rows(pre_k), head_rows(rstd_k), head_rows(normed_k), weight_k, token_rows(dk))
-        self.kernel(*q, *k, partials_q, partials_k).launch(grid=[ctas, 1, 1], block=[32 * WARPS, 1, 1],
-                                                           stream=stream)
-        # grad_weight_q, grad_weight_k = the partial rows of the CTAs that ran, added in order
-        self.column_sum(partials_q, grad_weight_q, stream)
-        self.column_sum(partials_k, grad_weight_k, stream)
-
-    @cute.kernel
-    def kernel(self, g_q: cute.Tensor, x_q: cute.Tensor, r_q: cute.Tensor, n_q: cute.Tensor, w_q: cute.Tensor,
-               o_q: cute.Tensor, g_k: cute.Tensor, x_k: cute.Tensor, r_k: cute.Tensor, n_k: cute.Tensor,
-               w_k: cute.Tensor, o_k: cute.Tensor, m_part_q: cute.Tensor, m_part_k: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
-        lane, warp = tidx % 32, tidx // 32
-        vpl = self.vectors_per_lane
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * 8)
-        scale_q = self.one_plus(atom, w_q, lane)
-        scale_k = self.one_plus(atom, w_k, lane)
-        sums_q = cute.make_rmem_tensor((VECTOR, vpl), Float32)
-        sums_k = cute.make_rmem_tensor((VECTOR, vpl), Float32)
-        sums_q.fill(0.0)
-        sums_k.fill(0.0)
-        rows_q, rows_k = cute.size(g_q, mode=[0]), cute.size(g_k, mode=[0])
-        for r in cutlass.range(bidx * WARPS + warp, rows_q + rows_k, ctas * WARPS):
-            if r < rows_q:
-                self.row(atom, g_q, x_q, r_q, n_q, o_q, scale_q, sums_q, r, lane)
-            else:
-                self.row(atom, g_k, x_k, r_k, n_k, o_k, scale_k, sums_k, r - rows_q, lane)
-        smem = cutlass.memory.SmemAllocator()
-        across = smem.allocate_tensor(Float32, cute.make_layout((self.head_dim, WARPS)), byte_alignment=16)
-        self.partial_row(sums_q, across, m_part_q[bidx, None], lane, warp, tidx)
-        self.partial_row(sums_k, across, m_part_k[bidx, None], lane, warp, tidx)
-
-    @cute.jit
-    def one_plus(self, atom, m_weight, lane):
-        """(1 + norm weight) in fp32 for this lane's columns."""
-        scale = cute.make_rmem_tensor((VECTOR, self.vectors_per_lane), Float32)
-        staging = cute.make_rmem_tensor((VECTOR,), BFloat16)
-        scale.fill(0.0)
-        for j in cutlass.range_constexpr(self.vectors_per_lane):
-            if lane + 32 * j < self.vectors:
-                cute.copy(atom, cute.zipped_divide(m_weight, (VECTOR,))[None, lane + 32 * j], staging)
-                scale[None, j].store(staging.load().to(Float32) + 1.0)
-        return scale
-
-    @cute.jit
-    def row(self, atom, m_grad, m_pre, m_rstd, m_normed, m_out, scale, sums, r, lane):
-        """One head row: out = bf16(rstd * gn - x * rstd^3 * sum(gn * x) / d) with gn = grad * scale;
-        sums += grad * normed."""
-        vpl = self.vectors_per_lane
-        grad = cute.make_rmem_tensor((VECTOR, vpl), Float32)
-        pre = cute.make_rmem_tensor((VECTOR, vpl), Float32)
-        staging = cute.make_rmem_tensor((VECTOR,), BFloat16)
-        grad.fill(0.0)
-        pre.fill(0.0)
-        rstd = m_rstd[r, 0]
-        dot = Float32(0.0)
-        for j in cutlass.range_constexpr(vpl):
-            v = lane + 32 * j
-            if v < self.vectors:
-                cute.copy(atom, cute.zipped_divide(m_grad[r, None], (VECTOR,))[None, v], staging)
-                grad[None, j].store(staging.load().to(Float32))
-                cute.copy(atom, cute.zipped_divide(m_pre[r, None], (VECTOR,))[None, v], staging)
-                pre[None, j].store(staging.load().to(Float32))
-                cute.copy(atom, cute.zipped_divide(m_normed[r, None], (VECTOR,))[None, v], staging)
-                sums[None, j].store(sums[None, j].load() + grad[None, j].load() * staging.load().to(Float32))
-                gn = grad[None, j].load() * scale[None, j].load()
-                dot += (gn * pre[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
-        coefficient = rstd * rstd * rstd * dot * (1.0 / self.head_dim)
-        for j in cutlass.range_constexpr(vpl):
-            v = lane + 32 * j
-            if v < self.vectors:
-                gn = grad[None, j].load() * scale[None, j].load()
-                staging.store((gn * rstd - pre[None, j].load() * coefficient).to(BFloat16))
-                cute.copy(atom, staging, cute.zipped_divide(m_out[r, None], (VECTOR,))[None, v])
-
-    @cute.jit
-    def partial_row(self, sums, across, m_partial_row, lane, warp, tidx):
-        """The CTA's partial row: its warps' sums added in warp order."""
-        for j in cutlass.range_constexpr(self.vectors_per_lane):
-            v = lane + 32 * j
-            if v < self.vectors:
-                for e in cutlass.range_constexpr(VECTOR):
-                    across[v * VECTOR + e, warp] = sums[e, j]
-        cute.arch.barrier()
-        for c in cutlass.range(tidx, self.head_dim, 32 * WARPS):
-            total = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                total += across[c, w]
-            m_partial_row[c] = total
-        cute.arch.barrier()  # `across` is reused for the next partial row
+                 weight_q: cute.Tensor, grad_k: cute.Tensor, pre_k: cute.Tensor, rstd_k: cute.Tensor,
+                 normed_k: cute.Tensor, weight_k: cute.Tensor, grad_v: cute.Tensor, hidden: cute.Tensor,
+                 w_q: cute.Tensor, w_k: cute.Tensor, w_v: cute.Tensor, grad_hidden: cute.Tensor,
+                 grad_w_q: cute.Tensor, grad_w_k: cute.Tensor, grad_w_v: cute.Tensor, grad_weight_q: cute.Tensor,
+                 grad_weight_k: cute.Tensor, dqk: cute.Tensor, norm_partials: cute.Tensor,
+                 sum_partials: cute.Tensor, sum_flags: cute.Tensor, sum_ctas: Int32, sum_dp_tiles: Int32,
+                 sum_per: Int32, group_partials: cute.Tensor, group_flags: cute.Tensor, group_ctas: Int32,
+                 group_dp_tiles: Int32, group_per: Int32, norm_ctas: Int32, stream):
+        d, q_cols, width = self.head_dim, self.q_heads * self.head_dim, self.hidden
+        batch, seq = hidden.shape[0], hidden.shape[1]
+        tokens, row = batch * seq, q_cols + d
+        # dq and dk as one [T, (heads + 1) * d] bf16 buffer; the norm kernel sees [b, s, heads, d]
+        dq = cute.make_tensor(dqk.iterator, cute.make_layout((batch, seq, self.q_heads, d),
+                                                             stride=(seq * row, row, d, 1)))
+        dk = cute.make_tensor(dqk.iterator + q_cols,
+                              cute.make_layout((batch, seq, 1, d), stride=(seq * row, row, d, 1)))
+        self.norm(grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k, normed_k, weight_k, dk,
+                  norm_partials, grad_weight_q, grad_weight_k, norm_ctas, stream)
+        rows_q = rows(dqk, tokens, q_cols, row)
+        rows_k = cute.make_tensor(dqk.iterator + q_cols, cute.make_layout((tokens, d), stride=(row, 1)))
+        rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
+        x = rows(hidden, tokens, width, width)
+        self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
+                            [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas,
+                            sum_dp_tiles, sum_per, (None, None, None), stream)
+        self.grouped._launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
+                             [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
+                             group_per, (None, None, None), stream)
 
 
-def _fake_args(head_dim: int):
-    """Compile-time stand-ins. One batch, seq and heads symbol per side (q, k) shared by its
-    tensors, so the call checks their extents agree in C: per-head tensors [b, heads, s, d] and
-    the row outputs [b, s, heads, d] with free strides (multiples of 8, unit last stride), rstd
-    [b, heads, s, 1] any strides, the partials any row count; d static."""
-    batch, seq = cute.sym_int32(), cute.sym_int32()
+def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling):
+    """Compile-time stand-ins: one batch and one seq symbol for every tensor (the call checks
+    their extents agree in C); per-head tensors [b, heads, s, d] with free strides (multiples of
+    8, unit last stride), rstd [b, heads, s, 1] any strides; [b, s, hidden] activations and
+    grad_value [b, 1, s, d] with contiguous rows and a free batch stride (the host checks it is
+    seq rows); weights and their gradients contiguous; the scratch buffers any length."""
+    batch, seq, d = cute.sym_int32(), cute.sym_int32(), head_dim
 
-    def strided(dtype, shape):
+    def per_head(heads):
         strides = (*(cute.sym_int64(divisibility=VECTOR) for _ in range(3)), 1)
-        return runtime.fake_tensor(dtype, shape, strides, 16)
+        return runtime.fake_tensor(BFloat16, (batch, heads, seq, d), strides, 16)
 
     def side(heads):
-        per_head = (batch, heads, seq, head_dim)
         rstd = runtime.fake_tensor(Float32, (batch, heads, seq, 1), tuple(cute.sym_int64() for _ in range(4)), 4)
-        weight = runtime.fake_tensor(BFloat16, (head_dim,), (1,), 16)
-        return (strided(BFloat16, per_head), strided(BFloat16, per_head), rstd, strided(BFloat16, per_head), weight,
-                strided(BFloat16, (batch, seq, heads, head_dim)))
+        return per_head(heads), per_head(heads), rstd, per_head(heads), runtime.fake_tensor(BFloat16, (d,), (1,), 16)
 
-    def partials():
-        return runtime.fake_tensor(Float32, (cute.sym_int32(), head_dim), (cute.sym_int64(divisibility=4), 1), 16)
+    def token_rows(width, stride_1=None):
+        return runtime.fake_tensor(BFloat16, (batch, seq, width) if stride_1 is None else (batch, 1, seq, width),
+                                   (cute.sym_int64(divisibility=VECTOR), width, 1) if stride_1 is None
+                                   else (cute.sym_int64(divisibility=VECTOR), stride_1, width, 1), 16)
+
+    def matrix(rows_):
+        return runtime.fake_tensor(BFloat16, (rows_, hidden), (hidden, 1), 16)
+
+    def flat(dtype, width):
+        return runtime.fake_tensor(dtype, (cute.sym_int32(), width), (width, 1), 16)
+
+    def schedule(tiling):  # as gemm._Call passes it: stream-K partials and flags, ctas, dp tiles, per
+        elements = tiling.tile_m * tiling.tile_n
+        return (flat(Float32, elements), runtime.fake_tensor(Int32, (cute.sym_int32(),), (1,), 4), Int32(1),
+                Int32(1), Int32(1))
 
     def grad_weight():
-        return runtime.fake_tensor(Float32, (head_dim,), (1,), 16)
+        return runtime.fake_tensor(Float32, (d,), (1,), 16)
 
-    return (*side(cute.sym_int32()), *side(cute.sym_int32()), partials(), partials(), grad_weight(), grad_weight(),
-            Int32(1))
-
-
-def _build(head_dim: int, arch: str, dump_dir=None):
-    return runtime.compile_kernel(("qk_norm_backward", head_dim), QkNormBackward(head_dim), *_fake_args(head_dim),
-                                  runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+    return (*side(q_heads), *side(1), token_rows(d, cute.sym_int64()), token_rows(hidden),
+            matrix(q_heads * d), matrix(d), matrix(d), token_rows(hidden), matrix(q_heads * d), matrix(d), matrix(d),
+            grad_weight(), grad_weight(), runtime.fake_tensor(BFloat16, (cute.sym_int32(),), (1,), 16),
+            flat(Float32, 2 * d), *schedule(summed), *schedule(grouped), Int32(1), runtime.env_stream())
 
 
-AUDIT_BUILDS = {"qkv_qknorm_backward norm rows[d=256]": lambda arch, dump_dir: _build(256, arch, dump_dir)}
-# 16-byte loads and stores of the bf16 rows, 16-byte loads of the partials (the column sums);
-# no spills, no atomics (fixed-order sums).
-AUDIT_EXPECTS = {arch: {"require": ["LDG.128", "STG.128"], "forbid": ["LOCAL", "ATOM/RED"]}
-                 for arch in runtime.ARCHES}
+def _build(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling, arch: str,
+           dump_dir=None):
+    summed, grouped = dataclasses.replace(summed, split_k=False), dataclasses.replace(grouped, split_k=False)
+    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped),
+                                  QkvQkNormBackward(head_dim, q_heads, hidden, arch, summed, grouped),
+                                  *_fake_args(head_dim, q_heads, hidden, summed, grouped),
+                                  arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+
+
+def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
+    """grad_hidden's tiling: the GEMM core's rules, but for one band measured better."""
+    if arch == "sm_90a" and 3072 <= tokens < 6144 and hidden % 160 == 0:
+        # Swept on the H200 (session 14, graph replay, Gemma-3-270m dims): at T = 4096 the
+        # rules' 128x128c2x1p took 18.7 us and 128 x 160 tiles in 2 x 1 clusters 14.0 (four
+        # column tiles of N = 640: 32 x 4 = 128 tiles, one wave); at T = 2048 and 8192 the
+        # rules' picks were within 2% of the best.
+        return GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
+    return default_tiling(tokens, hidden, width, arch)
+
+
+def _audit_build(tokens: int):
+    """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`."""
+    def build(arch, dump_dir):
+        return _build(256, 4, 640, summed_tiling(tokens, 640, 1536, arch), default_tiling(1536, 640, tokens, arch),
+                      arch, dump_dir)
+    return build
+
+
+AUDIT_BUILDS = {f"qkv_qknorm_backward[T={t}]": _audit_build(t) for t in (1024, 4096, 8192)}
+# The norm rows: 16-byte loads and stores of bf16 rows and partials; the products: the GEMM
+# core's own expectations (warpgroup or tcgen05 MMAs fed by TMA, TMA stores). No spills, no
+# float atomics (fixed-order sums).
+AUDIT_EXPECTS = {"sm_90a": {"require": ["LDG.128", "STG.128", "HGMMA", "UTMALDG", "UTMASTG"],
+                            "forbid": ["LOCAL", "ATOM/RED.FLOAT", "HGMMA.SERIAL"]},
+                 "sm_100a": {"require": ["LDG.128", "STG.128", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM"],
+                             "forbid": ["LOCAL", "ATOM/RED.FLOAT"]}}
 
 
 class _Entry:
-    """What one (head size, device) needs per call, resolved once."""
+    """What one model's dims on one device need per call: the norm kernel's grid cap, its
+    per-stream partial rows, and the per-stream dq/dk buffer (grown to the longest call)."""
 
-    def __init__(self, head_dim: int, device):
+    def __init__(self, head_dim: int, q_heads: int, device):
         import torch
 
-        self.device = device
+        self.device, self.head_dim, self.q_heads = device, head_dim, q_heads
+        self.arch = _device_arch(device)
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-        self.run = runtime.ffi_function(_build(head_dim, runtime.device_arch(device.index)))
-        # per CTA: its partial rows of both norm-weight gradients, q then k
+        # per stream: one partial row of both norm-weight gradients per CTA of the norm grid
         self.partials = runtime.StreamWorkspace(self.max_ctas, 2 * head_dim, device)
+        self.dqk = runtime.GrowingBuffer(torch.bfloat16, device)
 
 
-_entries: dict = {}
+class _Plan:
+    """What one (batch, seq, hidden) needs per call: the build for its tilings and the
+    products' schedules."""
+
+    def __init__(self, entry: _Entry, batch: int, seq: int, hidden: int):
+        import torch
+
+        d, tokens = entry.head_dim, batch * seq
+        widths = (entry.q_heads * d, d, d)
+        summed = summed_tiling(tokens, hidden, sum(widths), entry.arch)
+        grouped = default_tiling(sum(widths), hidden, tokens, entry.arch)
+        self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch))
+
+        def schedule(tiling, m, k):
+            clusters = runtime.max_clusters(entry.device, tiling.cluster_m * tiling.cluster_n)
+            return _Call(None, clusters, tiling, m, hidden, k, entry.device, None, torch.bfloat16)
+
+        self.summed = schedule(summed, tokens, stacked_k(widths, summed))
+        self.grouped = schedule(grouped, stacked_rows(widths, grouped), tokens)
+        self.entry, self.batch, self.seq, self.hidden = entry, batch, seq, hidden
+        self.dqk_elements = tokens * sum(widths[:2])
+        self.norm_ctas = min(entry.max_ctas, -(-tokens * (entry.q_heads + 1) // WARPS))
+
+
+_entries: dict = {}  # (head_dim, q heads, device index) -> _Entry
+_plans: dict = {}  # (hidden_states' shape, q heads, head_dim, device index) -> _Plan
 
 OUTPUT_NAMES = ("grad_hidden_states", "grad_q_weight", "grad_k_weight", "grad_v_weight", "grad_q_norm_weight",
                 "grad_k_norm_weight")
@@ -235,6 +233,9 @@ def _check_inputs(grad_query, grad_key, grad_value, hidden_states, q_weight, k_w
     _, q_heads, _, head_dim = grad_query.shape
     check_tensor("grad_key", grad_key, dtypes=torch.bfloat16, ndim=4, contiguous=False)
     kv_heads = grad_key.shape[1]
+    if hidden % VECTOR:
+        raise ValueError(f"hidden_states: the hidden size must be a multiple of {VECTOR} (16-byte rows for TMA), "
+                         f"got {hidden}")
     if head_dim % VECTOR or not 0 < head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"grad_query: head_dim must be a positive multiple of {VECTOR} up to {MAX_HEAD_DIM}, "
                          f"got {head_dim}")
@@ -272,11 +273,13 @@ def _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim):
 
     from .checks import check_same_device, check_tensor
 
+    if out is None:  # empty_like: ~3.3 us a tensor on the H200 host against ~6 for torch.empty(shape, ...)
+        return (torch.empty_like(hidden_states), torch.empty_like(q_weight), torch.empty_like(k_weight),
+                torch.empty_like(v_weight), torch.empty(head_dim, dtype=torch.float32, device=hidden_states.device),
+                torch.empty(head_dim, dtype=torch.float32, device=hidden_states.device))
     shapes = (tuple(hidden_states.shape), tuple(q_weight.shape), tuple(k_weight.shape), tuple(v_weight.shape),
               (head_dim,), (head_dim,))
     dtypes = (torch.bfloat16,) * 4 + (torch.float32,) * 2
-    if out is None:
-        return tuple(torch.empty(s, dtype=d, device=hidden_states.device) for s, d in zip(shapes, dtypes))
     if not isinstance(out, (tuple, list)) or len(out) != 6:
         raise ValueError(f"out: a tuple of the six outputs {OUTPUT_NAMES}")
     for name, t, shape, dtype in zip(OUTPUT_NAMES, out, shapes, dtypes):
@@ -294,51 +297,53 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
     strides (unit last stride, others multiples of 8); grad_value is read in place as the
     [T, d] operand, so one kv head (Gemma-3-270m's) with contiguous rows. out= takes the six
     outputs. The norm-weight gradients are bitwise repeatable (fixed-order sums); the weight
-    gradients as the GEMM core's split-K is (fixed order).
-
-    Five launches in three host calls (module docstring); dq and dk pass through global memory
-    ([T, heads * d] bf16, allocated per call)."""
-    import torch
-
-    from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
-
-    del rms_norm_eps
+    gradients as the GEMM core's split-K is (fixed order). Four launches, one host call."""
     inputs = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
               k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd, q_normed, k_normed)
     try:
-        entry = _entries[grad_query.shape[3], grad_query.get_device()]
+        plan = _plans[hidden_states.shape, grad_query.shape[1], grad_query.shape[3], hidden_states.get_device()]
     except (AttributeError, IndexError, TypeError, KeyError):
-        _check_inputs(*inputs)  # a new head size or device: full checks before the first build
-        entry = _entries.setdefault((grad_query.shape[3], grad_query.get_device()),
-                                    _Entry(grad_query.shape[3], grad_query.device))
-    batch, seq, hidden = hidden_states.shape
-    q_heads, head_dim, tokens = grad_query.shape[1], grad_query.shape[3], batch * seq
+        plan = _new_plan(inputs)  # a new shape or device: full checks first
     if not (type(out) is tuple and len(out) == 6):
-        out = _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim)
-    grad_hidden, grad_wq, grad_wk, grad_wv, grad_q_norm, grad_k_norm = out
-    if tokens == 0:
-        _check_inputs(*inputs)
+        out = _outputs(out, hidden_states, q_weight, k_weight, v_weight, plan.entry.head_dim)
+    if plan.dqk_elements == 0:
         for t in out:
             t.zero_()
         return out
+    # The C side checks shapes and fixed strides; the batch strides of the [b, s, *] tensors
+    # read as [T, *] rows are free there, so they are checked here.
+    if plan.batch > 1 and (hidden_states.stride(0) != plan.seq * plan.hidden
+                           or out[0].stride(0) != plan.seq * plan.hidden
+                           or grad_value.stride(0) != plan.seq * plan.entry.head_dim):
+        _explain(inputs, out)
+        raise ValueError("hidden_states, grad_value and out[grad_hidden_states] are read as [T, *] rows: their "
+                         "batch stride must be seq rows")
     try:
-        # dq, dk as the projections' [T, heads * d] rows (the kernel sees [b, s, heads, d]); the
-        # FFI call checks every per-head tensor's extents against them in C
-        dq = torch.empty((batch, seq, q_heads, head_dim), dtype=torch.bfloat16, device=hidden_states.device)
-        dk = torch.empty((batch, seq, 1, head_dim), dtype=torch.bfloat16, device=hidden_states.device)
-        ctas = min(entry.max_ctas, -(-tokens * (q_heads + 1) // WARPS))
-        partials = entry.partials.get()
-        entry.run(grad_query, query_transposed, q_rstd, q_normed, q_norm_weight, dq, grad_key, key_transposed,
-                  k_rstd, k_normed, k_norm_weight, dk, partials[:ctas, :head_dim], partials[:ctas, head_dim:],
-                  grad_q_norm, grad_k_norm, ctas)
-        rows_q, rows_k, rows_v = dq.view(tokens, -1), dk.view(tokens, -1), grad_value.view(tokens, head_dim)
-        matmul_nt_summed([(rows_q, q_weight.t()), (rows_k, k_weight.t()), (rows_v, v_weight.t())],
-                         out=grad_hidden.view(tokens, hidden))
-        matmul_nt_grouped([rows_q.t(), rows_k.t(), rows_v.t()], hidden_states.view(tokens, hidden).t(),
-                          outs=[grad_wq, grad_wk, grad_wv])
+        plan.run(grad_query, query_transposed, q_rstd, q_normed, q_norm_weight, grad_key, key_transposed, k_rstd,
+                 k_normed, k_norm_weight, grad_value, hidden_states, q_weight, k_weight, v_weight, *out,
+                 plan.entry.dqk.get(plan.dqk_elements), plan.entry.partials.get(),
+                 *(plan.summed.fixed_args or (*plan.summed.workspace.get(), *plan.summed.schedule)),
+                 *(plan.grouped.fixed_args or (*plan.grouped.workspace.get(), *plan.grouped.schedule)),
+                 plan.norm_ctas)
     except Exception:
-        # a rejected argument: say which one and why in our own words
-        _check_inputs(*inputs)
-        _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim)
+        _explain(inputs, out)  # a rejected argument: say which one and why in our own words
         raise
     return out
+
+
+def _new_plan(inputs):
+    """A new (shape, device): full checks, then the build and schedules for it."""
+    _check_inputs(*inputs)
+    grad_query, hidden_states = inputs[0], inputs[3]
+    q_heads, head_dim, device = grad_query.shape[1], grad_query.shape[3], hidden_states.device
+    entry = _entries.get((head_dim, q_heads, device.index))
+    if entry is None:
+        entry = _entries[head_dim, q_heads, device.index] = _Entry(head_dim, q_heads, device)
+    plan = _plans[hidden_states.shape, q_heads, head_dim, device.index] = _Plan(entry, *hidden_states.shape)
+    return plan
+
+
+def _explain(inputs, out):
+    """Raise the named error for a call the fast path rejected."""
+    _check_inputs(*inputs)
+    _outputs(out, *inputs[3:7], inputs[0].shape[3])

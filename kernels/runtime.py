@@ -114,19 +114,40 @@ class PerStream:
         self.device = device
         self._buffers = {}  # raw CUDA stream handle -> what _new made
 
-    def _new(self):
+    def _new(self, *need):
         raise NotImplementedError
 
-    def get(self):
+    def _fits(self, buffer, *need) -> bool:
+        return True
+
+    def get(self, *need):
         import torch
 
         if torch.cuda.is_current_stream_capturing():
-            return self._new()
+            return self._new(*need)
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         buffer = self._buffers.get(stream)
-        if buffer is None:
-            buffer = self._buffers[stream] = self._new()
+        if buffer is None or not self._fits(buffer, *need):
+            buffer = self._buffers[stream] = self._new(*need)
         return buffer
+
+
+class GrowingBuffer(PerStream):
+    """A flat scratch buffer per CUDA stream, replaced by a larger one when a call needs more
+    elements than it holds. Dropping the old one is safe: the caching allocator hands its memory
+    out again only after the work already queued on that stream."""
+
+    def __init__(self, dtype, device):
+        super().__init__(device)
+        self.dtype = dtype
+
+    def _new(self, elements: int):
+        import torch
+
+        return torch.empty(elements, dtype=self.dtype, device=self.device)
+
+    def _fits(self, buffer, elements: int) -> bool:
+        return buffer.numel() >= elements
 
 
 class StreamWorkspace(PerStream):

@@ -84,3 +84,35 @@ def test_argument_errors():
         kernel(*bad)
     with pytest.raises(ValueError, match="out: a tuple of the six outputs"):
         kernel(*inputs, out=(torch.empty(1),))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager():
+    """Captured calls get their own scratch (dq/dk buffer, fold flags) and give eager's bits."""
+    inputs = PROBLEM.make_inputs(2, 300, device="cuda", seed=7)
+    expected = [t.clone() for t in kernel(*inputs)]
+    out = tuple(torch.full_like(t, float("nan")) for t in expected)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernel(*inputs, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(*inputs, out=out)
+    for _ in range(2):
+        for t in out:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, expected))
+
+
+def test_new_outputs_have_the_contract_shapes_and_dtypes():
+    """The outputs made when out= is not given (runs without a GPU: only shapes matter)."""
+    from cutebwd.kernels.qkv_qknorm_backward import _outputs
+
+    inputs = PROBLEM.make_inputs(2, 16)
+    made = _outputs(None, *inputs[3:7], inputs[0].shape[3])
+    expected = PROBLEM.reference(*inputs)
+    assert [(t.shape, t.dtype) for t in made] == [(t.shape, t.dtype) for t in expected]

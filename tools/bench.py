@@ -81,20 +81,27 @@ def _ours_013_recompute(problem):
     return lambda go, x, normalized, rstd, weight: fused_residual_rmsnorm_backward(go, x, None, rstd, weight)
 
 
-def _ours_013_into(read_normalized: bool):
+def _into(op, outputs_for):
     """The benchmark's destination-passing style: outputs allocated once per shape (NaN-poisoned,
-    so the checked first call must write every element), then written in place call after call."""
-    from cutebwd.kernels.rmsnorm_backward import fused_residual_rmsnorm_backward
-
+    so the checked first call must write every element), then written in place call after call;
+    outputs_for(inputs) makes them."""
     outs = {}
 
-    def run(go, x, normalized, rstd, weight):
-        out = outs.get(x.shape)
-        if out is None:
-            out = outs[x.shape] = (torch.full_like(go, float("nan")), torch.full_like(go, float("nan")),
-                                   torch.full_like(weight, float("nan")))
-        return fused_residual_rmsnorm_backward(go, x, normalized if read_normalized else None, rstd, weight, out=out)
+    def run(*inputs):
+        key = tuple(t.shape for t in inputs if isinstance(t, torch.Tensor))
+        if key not in outs:
+            outs[key] = tuple(t.fill_(float("nan")) for t in outputs_for(inputs))
+        return op(*inputs, out=outs[key])
     return run
+
+
+def _ours_013_into(read_normalized: bool):
+    from cutebwd.kernels.rmsnorm_backward import fused_residual_rmsnorm_backward
+
+    def op(go, x, normalized, rstd, weight, out):
+        return fused_residual_rmsnorm_backward(go, x, normalized if read_normalized else None, rstd, weight, out=out)
+    return _into(op, lambda inputs: (torch.empty_like(inputs[0]), torch.empty_like(inputs[0]),
+                                     torch.empty_like(inputs[4])))
 
 
 register("fused_residual_rmsnorm_backward", "cutebwd out=")(lambda problem: _ours_013_into(True))
@@ -107,6 +114,16 @@ def _ours_051(problem):
     from cutebwd.kernels.qkv_qknorm_backward import qkv_qknorm_backward
 
     return qkv_qknorm_backward
+
+
+@register("qkv_qknorm_backward", "cutebwd out=")
+def _ours_051_into(problem):
+    from cutebwd.kernels.qkv_qknorm_backward import qkv_qknorm_backward
+
+    def outputs_for(inputs):  # grad_hidden_states and the weight gradients like their tensors, fp32 norm gradients
+        return (*(torch.empty_like(t) for t in inputs[3:7]), *(torch.empty_like(t, dtype=torch.float32)
+                                                               for t in inputs[7:9]))
+    return _into(qkv_qknorm_backward, outputs_for)
 
 
 @register("embedding_rmsnorm_backward", "cutebwd")
