@@ -6,6 +6,7 @@ from cutebwd import fused_residual_rmsnorm_backward as kernel
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import WORKLOADS
 from cutebwd.tools.parity import assert_parity, check_problem
+from cutebwd.tools.timing import capture
 
 PROBLEM = PROBLEMS["fused_residual_rmsnorm_backward"]
 
@@ -134,14 +135,7 @@ def test_concurrent_streams_keep_their_own_partials(batch, seq):
 def test_cuda_graph_replay_reads_new_inputs(batch, seq):
     inputs = PROBLEM.make_inputs(batch, seq, device="cuda", seed=5)
     out = tuple(torch.empty_like(t) for t in (inputs[0], inputs[0], inputs[4]))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kernel(*inputs, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel(*inputs, out=out)
+    graph = capture(lambda: kernel(*inputs, out=out))
     fresh = PROBLEM.make_inputs(batch, seq, device="cuda", seed=6)
     for dst, src in zip(inputs, fresh):
         dst.copy_(src)

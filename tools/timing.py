@@ -52,20 +52,26 @@ def time_ms(fn, arg_sets, *, budget_ms: float = 40.0, repeats: int = 5, max_call
     return statistics.median(_loop_ms(fn, arg_sets, calls) for _ in range(repeats))
 
 
+def capture(call, warmup=None):
+    """A CUDA graph of call(), made after warmup() (call() by default) ran on a side stream:
+    what capture needs, lazy builds, allocations and per-stream workspaces made outside it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        (warmup or call)()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 def _captured(fn, arg_sets, calls: int):
     """A CUDA graph of `calls` calls of fn, or None when fn cannot be captured (host
     synchronisation, data-dependent shapes)."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for args in arg_sets[:2]:
-                fn(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(*arg_sets[i % len(arg_sets)])
+        graph = capture(lambda: [fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)],
+                        warmup=lambda: [fn(*args) for args in arg_sets[:2]])
     except Exception:  # noqa: BLE001 - any capture failure means "not graph-capturable"
         torch.cuda.synchronize()
         return None
