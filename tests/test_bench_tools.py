@@ -130,3 +130,10 @@ def test_grouped_bench_table():
            "summed / add x3": 50 / 60, "summed / cuBLAS addmm x3": 50 / 55, "ok": False}
     table = format_table([row])
     assert "128" in table and "0.750" in table and "0.812" in table and "1.200" in table and "FAIL" in table
+
+
+def test_host_cost_builds_compile_without_a_gpu():
+    from cutebwd.tools import host_cost
+
+    for count, pdl in host_cost.LAUNCHES:
+        assert host_cost.build(count, pdl, "sm_90a") is not None
