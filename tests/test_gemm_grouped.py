@@ -6,6 +6,7 @@ import torch
 
 from cutebwd.kernels.gemm_grouped import matmul_nt_grouped, matmul_nt_summed
 from cutebwd.layouts.gemm import GemmTiling
+from cutebwd.tools.parity import relative_error
 
 
 def test_group_size_and_outs_are_checked_first():
@@ -22,10 +23,6 @@ def test_group_size_and_outs_are_checked_first():
         matmul_nt_summed([(a, a)], out=None)
     with pytest.raises(ValueError, match=r"^pairs: a list of two or three \(a, b\) pairs"):
         matmul_nt_summed([(a, a), (a,)])
-
-
-def _relative_error(got, want):
-    return (torch.linalg.norm(got.float() - want) / torch.linalg.norm(want)).item()
 
 
 def _group(ms, n, k, k_major, seed):
@@ -52,7 +49,7 @@ def test_grouped_products_match_each_product(ms, n, k, k_major, stream_k, tiling
     got = matmul_nt_grouped(a_list, b, outs=outs, tiling=tiling, stream_k=stream_k)
     assert all(x is y for x, y in zip(got, outs))
     for i, (a, out) in enumerate(zip(a_list, outs)):
-        assert _relative_error(out, a.float() @ b.float().t()) < 1e-2, f"product {i}"
+        assert relative_error(out, a.float() @ b.float().t()) < 1e-2, f"product {i}"
 
 
 @pytest.mark.gpu
@@ -62,11 +59,11 @@ def test_grouped_allocates_fp32_repeats_bitwise_and_handles_empty_products():
     again = matmul_nt_grouped(a_list, b, out_dtype=torch.float32, stream_k=True)
     assert all(x.dtype == torch.float32 and torch.equal(x, y) for x, y in zip(first, again))
     for a, out in zip(a_list, first):
-        assert _relative_error(out, a.float() @ b.float().t()) < 1e-4
+        assert relative_error(out, a.float() @ b.float().t()) < 1e-4
     empty = torch.zeros(0, 384, dtype=torch.bfloat16, device="cuda")
     got = matmul_nt_grouped([a_list[0], empty, a_list[2]], b)
     assert got[1].shape == (0, 256)
-    assert _relative_error(got[2], a_list[2].float() @ b.float().t()) < 1e-2
+    assert relative_error(got[2], a_list[2].float() @ b.float().t()) < 1e-2
 
 
 @pytest.mark.gpu
@@ -98,7 +95,7 @@ def test_summed_products_match_the_sum(m, n, ks, stream_k, tiling):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     assert matmul_nt_summed(pairs, out=out, tiling=tiling, stream_k=stream_k) is out
     want = sum(a.float() @ b.float().t() for a, b in pairs)
-    assert _relative_error(out, want) < 1e-2
+    assert relative_error(out, want) < 1e-2
 
 
 @pytest.mark.gpu
@@ -109,12 +106,12 @@ def test_summed_fp32_repeats_bitwise_and_skips_empty_terms():
     first = matmul_nt_summed(pairs, out_dtype=torch.float32, stream_k=True)
     assert first.dtype == torch.float32 and torch.equal(first, matmul_nt_summed(pairs, out_dtype=torch.float32,
                                                                                   stream_k=True))
-    assert _relative_error(first, sum(a.float() @ b.float().t() for a, b in pairs)) < 1e-4
+    assert relative_error(first, sum(a.float() @ b.float().t() for a, b in pairs)) < 1e-4
     empty = (torch.zeros(200, 0, dtype=torch.bfloat16, device="cuda"), torch.zeros(256, 0, dtype=torch.bfloat16,
                                                                                     device="cuda"))
     got = matmul_nt_summed([pairs[0], empty, pairs[2]])
     want = pairs[0][0].float() @ pairs[0][1].float().t() + pairs[2][0].float() @ pairs[2][1].float().t()
-    assert _relative_error(got, want) < 1e-2
+    assert relative_error(got, want) < 1e-2
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ import time
 import torch
 
 from cutebwd.tools import timing
+from cutebwd.tools.parity import relative_error
 
 # (out_features, in_features) of the weights: 056's q/o (5120 x 5120), k/v (1280 x 5120),
 # gate/up (14336 x 5120) and down (5120 x 14336) projections, and 051's 1536 x 640.
@@ -31,11 +32,6 @@ WIDTHS = [(5120, 5120), (1280, 5120), (14336, 5120), (5120, 14336), (1536, 640)]
 TOKENS = [128, 512, 2048, 8192]
 MAX_RELATIVE_ERROR = 1e-2  # Frobenius norm, bf16 output against the fp32 product
 ROUNDS = 3  # alternated timing rounds per product
-
-
-def relative_error(out, reference) -> float:
-    """The Frobenius-norm error of a bf16 (or fp32) product against its fp32 reference."""
-    return (torch.linalg.norm(out.float() - reference) / torch.linalg.norm(reference)).item()
 
 
 def products(tokens, widths=WIDTHS):

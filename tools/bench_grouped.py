@@ -20,6 +20,7 @@ import sys
 import torch
 
 from cutebwd.tools import timing
+from cutebwd.tools.parity import relative_error
 
 HIDDEN, WIDTHS = 5120, (5120, 1280, 1280)  # in features; q, k, v out features
 MAX_RELATIVE_ERROR = 1e-2
@@ -44,7 +45,7 @@ def bench_tokens(t, generator, bandwidth, rate, log):
         for o in outs:
             o.fill_(float("nan"))
         fn()
-        errors[who] = max((torch.linalg.norm(o.float() - w) / torch.linalg.norm(w)).item() for o, w in zip(outs, wants))
+        errors[who] = max(relative_error(o, w) for o, w in zip(outs, wants))
     # dX = sum_i dY_i . W_i (W_i [out_i, in]; B_i = the W_i^T views)
     weights = [(torch.randn(w, HIDDEN, device="cuda", generator=generator) / w**0.5).bfloat16() for w in WIDTHS]
     pairs = [(dy, w.t()) for dy, w in zip(dys, weights)]
@@ -60,7 +61,7 @@ def bench_tokens(t, generator, bandwidth, rate, log):
     for who, fn in summed.items():
         dx.fill_(float("nan"))
         fn()
-        errors[who] = (torch.linalg.norm(dx.float() - want_dx) / torch.linalg.norm(want_dx)).item()
+        errors[who] = relative_error(dx, want_dx)
     best = timing.alternating_best({**variants, **summed})
     steady = timing.interleaved_us({**variants, **summed})  # the ratios' figures (see bench_epilogue)
     rows = sum(WIDTHS)

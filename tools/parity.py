@@ -19,6 +19,13 @@ def frobenius_limit(declared_dtype: torch.dtype) -> float:
     return 1e-4 if declared_dtype == torch.float32 else 1e-2
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (Frobenius), got in any float dtype against an fp32 `want`: the
+    quick form of the bar's third test that the GEMM tests and tools use (no NaN bookkeeping;
+    check_output is the full bar)."""
+    return (torch.linalg.norm(got.float() - want) / torch.linalg.norm(want)).item()
+
+
 @dataclass
 class OutputReport:
     name: str

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from cutebwd.tools.bench_gemm import MAX_RELATIVE_ERROR, operands, products, relative_error
+from cutebwd.tools.bench_gemm import MAX_RELATIVE_ERROR, operands, products
+from cutebwd.tools.parity import relative_error
 
 # The tilings of the sweeps behind the default rules (tools/reports/gemm-notes.md), for sm_90a,
 # and split-K variants of the small tiles (`s`: the k-iterations of few tiles dealt over every
