@@ -187,6 +187,12 @@ class _Entry:
         # per stream: one partial row of both norm-weight gradients per CTA of the norm grid
         self.partials = runtime.StreamWorkspace(self.max_ctas, 2 * head_dim, device)
         self.dqk = runtime.GrowingBuffer(torch.bfloat16, device)
+        self._clusters = {}  # cluster size -> clusters the device holds at once (the query synchronizes)
+
+    def max_clusters(self, size: int) -> int:
+        if size not in self._clusters:
+            self._clusters[size] = runtime.max_clusters(self.device, size)
+        return self._clusters[size]
 
 
 class _Plan:
@@ -198,18 +204,20 @@ class _Plan:
 
         d, tokens = entry.head_dim, batch * seq
         widths = (entry.q_heads * d, d, d)
+        self.entry, self.batch, self.seq, self.hidden = entry, batch, seq, hidden
+        self.dqk_elements = tokens * sum(widths[:2])
+        if tokens == 0:  # no launch: the call zeroes the outputs
+            return
         summed = summed_tiling(tokens, hidden, sum(widths), entry.arch)
         grouped = default_tiling(sum(widths), hidden, tokens, entry.arch)
         self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch))
 
         def schedule(tiling, m, k):
-            clusters = runtime.max_clusters(entry.device, tiling.cluster_m * tiling.cluster_n)
+            clusters = entry.max_clusters(tiling.cluster_m * tiling.cluster_n)
             return _Call(None, clusters, tiling, m, hidden, k, entry.device, None, torch.bfloat16)
 
         self.summed = schedule(summed, tokens, stacked_k(widths, summed))
         self.grouped = schedule(grouped, stacked_rows(widths, grouped), tokens)
-        self.entry, self.batch, self.seq, self.hidden = entry, batch, seq, hidden
-        self.dqk_elements = tokens * sum(widths[:2])
         self.norm_ctas = min(entry.max_ctas, -(-tokens * (entry.q_heads + 1) // WARPS))
 
 
@@ -344,6 +352,6 @@ def _new_plan(inputs):
 
 
 def _explain(inputs, out):
-    """Raise the named error for a call the fast path rejected."""
+    """For a call the fast path rejected: raise our named error where the checks find one."""
     _check_inputs(*inputs)
     _outputs(out, *inputs[3:7], inputs[0].shape[3])
