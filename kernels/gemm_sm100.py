@@ -52,9 +52,10 @@ class Sm100Gemm:
     k_stacked = False  # Sm100SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE):
+                 epilogue: Epilogue = STORE, pdl: bool = False):
+        """pdl: as Sm90Gemm's (programmatic dependent launch after another kernel)."""
         tiling.check_sm100()
-        self.tiling, self.epilogue = tiling, epilogue
+        self.tiling, self.epilogue, self.pdl = tiling, epilogue, pdl
         self.a_major = (LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.b_major = (LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -161,7 +162,7 @@ class Sm100Gemm:
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
                     accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped, side).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
-            min_blocks_per_mp=1, stream=stream)  # one CTA per SM: registers need not be rationed
+            min_blocks_per_mp=1, stream=stream, use_pdl=self.pdl)  # one CTA per SM: registers need not be rationed
 
     def _storage(self, stages, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
@@ -279,6 +280,8 @@ class Sm100Gemm:
                                               self.mma_tiler[0] * (t.cluster_m // self.pair))
         batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
 
         if warp == TMA_WARP:
             a_mask, b_mask = None, None  # a lone CTA loads for itself

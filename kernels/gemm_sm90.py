@@ -59,9 +59,12 @@ class Sm90Gemm:
     k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE):
+                 epilogue: Epilogue = STORE, pdl: bool = False):
+        """pdl: launched with programmatic dependent launch, for products that follow another
+        kernel of the same host function: the CTAs start as the previous kernel's CTAs retire
+        and wait (griddepcontrol) for it to finish before touching global memory."""
         tiling.check_sm90()
-        self.tiling, self.epilogue = tiling, epilogue
+        self.tiling, self.epilogue, self.pdl = tiling, epilogue, pdl
         self.a_layout = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -152,7 +155,8 @@ class Sm90Gemm:
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
                     schedule, fused, grouped, side).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
-                                            cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream)
+                                            cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream,
+                                            use_pdl=self.pdl)
 
     def _storage(self, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
@@ -248,6 +252,8 @@ class Sm90Gemm:
             tiles_m = tiles_m + cute.ceil_div(cute.size(g_c_i, mode=[2]), t.cluster_m)
         batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)

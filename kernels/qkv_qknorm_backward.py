@@ -60,8 +60,10 @@ class QkvQkNormBackward:
         self.head_dim, self.q_heads, self.hidden = head_dim, q_heads, hidden
         self.norm = QkNormBackward(head_dim)
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
-        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE)
-        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE)
+        # Each product follows a kernel of this function: programmatic dependent launch lets
+        # its CTAs start (barriers, descriptors) as that kernel's CTAs retire.
+        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=PDL_PRODUCTS)
+        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=PDL_PRODUCTS)
 
     @cute.jit
     def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
@@ -139,7 +141,7 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
 def _build(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling, arch: str,
            dump_dir=None):
     summed, grouped = dataclasses.replace(summed, split_k=False), dataclasses.replace(grouped, split_k=False)
-    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped),
+    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped, PDL_PRODUCTS),
                                   QkvQkNormBackward(head_dim, q_heads, hidden, arch, summed, grouped),
                                   *_fake_args(head_dim, q_heads, hidden, summed, grouped),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
@@ -221,6 +223,7 @@ class _Plan:
         self.norm_ctas = min(entry.max_ctas, -(-tokens * (entry.q_heads + 1) // WARPS))
 
 
+PDL_PRODUCTS = True  # A/B switch for session 15's measurement (then kept or dropped)
 _entries: dict = {}  # (head_dim, q heads, device index) -> _Entry
 _plans: dict = {}  # (hidden_states' shape, q heads, head_dim, device index) -> _Plan
 
