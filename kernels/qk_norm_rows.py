@@ -45,8 +45,10 @@ def token_rows(t):
 class QkNormBackward:
     """dq, dk and the per-CTA partials of both norm-weight gradients, then their column sums."""
 
-    def __init__(self, head_dim: int):
-        self.head_dim = head_dim
+    def __init__(self, head_dim: int, column_sum_launch: bool = True):
+        """column_sum_launch: False where the caller sums the partial rows itself (051's summed
+        product does it in its idle warps)."""
+        self.head_dim, self.column_sum_launch = head_dim, column_sum_launch
         self.vectors = head_dim // VECTOR
         self.vectors_per_lane = -(-self.vectors // 32)
         # both gradients' partial rows side by side: one column-sum launch, q's half to
@@ -68,7 +70,8 @@ class QkNormBackward:
         # grad_weight_q, grad_weight_k = the partial rows of the CTAs that ran, added in order.
         # (Summing them in the norm kernel instead, by its last CTAs, was measured in session 14:
         # ~3 us less host time a call but 1.5-8 us more GPU time, a worse mean.)
-        self.column_sum(cta_rows, grad_weight_q, stream, out2=grad_weight_k)
+        if cutlass.const_expr(self.column_sum_launch):
+            self.column_sum(cta_rows, grad_weight_q, stream, out2=grad_weight_k)
 
     @cute.kernel
     def kernel(self, g_q: cute.Tensor, x_q: cute.Tensor, r_q: cute.Tensor, n_q: cute.Tensor, w_q: cute.Tensor,

@@ -36,6 +36,7 @@ from . import runtime
 from .epilogue import STORE
 from .gemm import _ARCH_MODULES, _Call, _device_arch
 from .gemm_grouped import stacked_k, stacked_rows
+from .column_sum import ColumnSumsInWarps
 from .qk_norm_rows import CTAS_PER_SM, MAX_HEAD_DIM, VECTOR, WARPS, QkNormBackward
 
 
@@ -58,11 +59,13 @@ class QkvQkNormBackward:
     def __init__(self, head_dim: int, q_heads: int, hidden: int, arch: str, summed: GemmTiling,
                  grouped: GemmTiling):
         self.head_dim, self.q_heads, self.hidden = head_dim, q_heads, hidden
-        self.norm = QkNormBackward(head_dim)
+        self.norm = QkNormBackward(head_dim, column_sum_launch=not SUMS_IN_PRODUCT)
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
         # Each product follows a kernel of this function: programmatic dependent launch lets
         # its CTAs start (barriers, descriptors) as that kernel's CTAs retire.
-        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=PDL_PRODUCTS)
+        # The norm-weight gradients' column sums: in the summed product's idle warps (no launch)
+        sums = ColumnSumsInWarps(2 * head_dim, head_dim) if SUMS_IN_PRODUCT else None
+        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=PDL_PRODUCTS, side_job=sums)
         self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=PDL_PRODUCTS)
 
     @cute.jit
@@ -91,7 +94,8 @@ class QkvQkNormBackward:
         x = rows(hidden, tokens, width, width)
         self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
                             [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas,
-                            sum_dp_tiles, sum_per, (None, None, None), stream)
+                            sum_dp_tiles, sum_per, (None, None, None), stream,
+                            side_args=(rows(norm_partials, norm_ctas, 2 * d, 2 * d), grad_weight_q, grad_weight_k))
         self.grouped._launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
                              [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
                              group_per, (None, None, None), stream)
@@ -141,7 +145,8 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
 def _build(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling, arch: str,
            dump_dir=None):
     summed, grouped = dataclasses.replace(summed, split_k=False), dataclasses.replace(grouped, split_k=False)
-    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped, PDL_PRODUCTS),
+    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped, PDL_PRODUCTS,
+                                   SUMS_IN_PRODUCT),
                                   QkvQkNormBackward(head_dim, q_heads, hidden, arch, summed, grouped),
                                   *_fake_args(head_dim, q_heads, hidden, summed, grouped),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
@@ -223,7 +228,10 @@ class _Plan:
         self.norm_ctas = min(entry.max_ctas, -(-tokens * (entry.q_heads + 1) // WARPS))
 
 
-PDL_PRODUCTS = True  # A/B switch for session 15's measurement (then kept or dropped)
+# A/B switches for session 15's measurements (then kept or dropped): the products launched with
+# PDL; the norm-weight column sums in the summed product's idle warps instead of a launch
+PDL_PRODUCTS = True
+SUMS_IN_PRODUCT = True
 _entries: dict = {}  # (head_dim, q heads, device index) -> _Entry
 _plans: dict = {}  # (hidden_states' shape, q heads, head_dim, device index) -> _Plan
 
