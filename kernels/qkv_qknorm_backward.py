@@ -163,10 +163,23 @@ def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling
     return default_tiling(tokens, hidden, width, arch)
 
 
+def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
+    """The weight gradients' tiling: the GEMM core's rules (64 x 128 tiles for these ~1M-element
+    results), but where the session-14 sweep measured better (graph replay, H200, Gemma-3-270m
+    dims): T = 4096 128 x 64 tiles 17.1 us against 18.0; T = 8192 128 x 128 tiles in 2 x 1
+    clusters split-K 31.7 against 33.5. At T = 2048 the rules' pick was the best."""
+    if SWEPT_GROUPED_TILING and arch == "sm_90a":
+        if tokens >= 6144:
+            return GemmTiling(cluster_m=2, split_k=True)
+        if tokens >= 3072:
+            return GemmTiling(tile_n=64)
+    return default_tiling(width, hidden, tokens, arch)
+
+
 def _audit_build(tokens: int):
     """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`."""
     def build(arch, dump_dir):
-        return _build(256, 4, 640, summed_tiling(tokens, 640, 1536, arch), default_tiling(1536, 640, tokens, arch),
+        return _build(256, 4, 640, summed_tiling(tokens, 640, 1536, arch), grouped_tiling(tokens, 640, 1536, arch),
                       arch, dump_dir)
     return build
 
@@ -216,7 +229,7 @@ class _Plan:
         if tokens == 0:  # no launch: the call zeroes the outputs
             return
         summed = summed_tiling(tokens, hidden, sum(widths), entry.arch)
-        grouped = default_tiling(sum(widths), hidden, tokens, entry.arch)
+        grouped = grouped_tiling(tokens, hidden, sum(widths), entry.arch)
         self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch))
 
         def schedule(tiling, m, k):
@@ -232,6 +245,7 @@ class _Plan:
 # PDL; the norm-weight column sums in the summed product's idle warps instead of a launch
 PDL_PRODUCTS = True
 SUMS_IN_PRODUCT = True
+SWEPT_GROUPED_TILING = True
 _entries: dict = {}  # (head_dim, q heads, device index) -> _Entry
 _plans: dict = {}  # (hidden_states' shape, q heads, head_dim, device index) -> _Plan
 
