@@ -117,10 +117,12 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
         rstd = runtime.fake_tensor(Float32, (batch, heads, seq, 1), tuple(cute.sym_int64() for _ in range(4)), 4)
         return per_head(heads), per_head(heads), rstd, per_head(heads), runtime.fake_tensor(BFloat16, (d,), (1,), 16)
 
-    def token_rows(width, stride_1=None):
-        return runtime.fake_tensor(BFloat16, (batch, seq, width) if stride_1 is None else (batch, 1, seq, width),
-                                   (cute.sym_int64(divisibility=VECTOR), width, 1) if stride_1 is None
-                                   else (cute.sym_int64(divisibility=VECTOR), stride_1, width, 1), 16)
+    def activations():  # [b, s, hidden]: contiguous rows, a free batch stride
+        return runtime.fake_tensor(BFloat16, (batch, seq, hidden), (cute.sym_int64(divisibility=VECTOR), hidden, 1), 16)
+
+    # [b, 1, s, d]: contiguous rows, a free batch stride, any stride for the one head
+    grad_value = runtime.fake_tensor(BFloat16, (batch, 1, seq, d),
+                                     (cute.sym_int64(divisibility=VECTOR), cute.sym_int64(), d, 1), 16)
 
     def matrix(rows_):
         return runtime.fake_tensor(BFloat16, (rows_, hidden), (hidden, 1), 16)
@@ -136,8 +138,8 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
     def grad_weight():
         return runtime.fake_tensor(Float32, (d,), (1,), 16)
 
-    return (*side(q_heads), *side(1), token_rows(d, cute.sym_int64()), token_rows(hidden),
-            matrix(q_heads * d), matrix(d), matrix(d), token_rows(hidden), matrix(q_heads * d), matrix(d), matrix(d),
+    return (*side(q_heads), *side(1), grad_value, activations(),
+            matrix(q_heads * d), matrix(d), matrix(d), activations(), matrix(q_heads * d), matrix(d), matrix(d),
             grad_weight(), grad_weight(), runtime.fake_tensor(BFloat16, (cute.sym_int32(),), (1,), 16),
             flat(Float32, 2 * d), *schedule(summed), *schedule(grouped), Int32(1), runtime.env_stream())
 
