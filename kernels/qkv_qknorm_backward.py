@@ -40,9 +40,9 @@ from .column_sum import ColumnSumsInWarps
 from .qk_norm_rows import CTAS_PER_SM, MAX_HEAD_DIM, VECTOR, WARPS, QkNormBackward
 
 
-def rows(t, count, width, stride):
-    """[count, width] rows of `stride` elements from t's start (unit column stride)."""
-    return cute.make_tensor(t.iterator, cute.make_layout((count, width), stride=(stride, 1)))
+def rows(t, count, width, stride, first: int = 0):
+    """[count, width] rows of `stride` elements from t's element `first` (unit column stride)."""
+    return cute.make_tensor(t.iterator + first, cute.make_layout((count, width), stride=(stride, 1)))
 
 
 def transposed(t):
@@ -89,7 +89,7 @@ class QkvQkNormBackward:
         self.norm(grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k, normed_k, weight_k, dk,
                   norm_partials, grad_weight_q, grad_weight_k, norm_ctas, stream)
         rows_q = rows(dqk, tokens, q_cols, row)
-        rows_k = cute.make_tensor(dqk.iterator + q_cols, cute.make_layout((tokens, d), stride=(row, 1)))
+        rows_k = rows(dqk, tokens, d, row, first=q_cols)
         rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
         x = rows(hidden, tokens, width, width)
         self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
