@@ -34,19 +34,17 @@ class ColumnSum:
     LINE_VECTORS = 4
     ROW_LANES = 32 // LINE_VECTORS
 
-    def __init__(self, hidden: int, split: int | None = None):
-        """split: with `out2` at the call, columns [0, split) go to out and the rest to out2
-        (two gradients' partials side by side, one launch)."""
-        self.hidden, self.split = hidden, split
+    def __init__(self, hidden: int):
+        self.hidden = hidden
 
     @cute.jit
-    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream, skip=None, out2=None):
-        self.kernel(partials, out, skip, out2).launch(
+    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream, skip=None):
+        self.kernel(partials, out, skip).launch(
             grid=[cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1, 1], block=[32 * self.WARPS, 1, 1],
             stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor, m_skip, m_out2):
+    def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor, m_skip):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, warp = tidx % 32, tidx // 32
@@ -79,13 +77,7 @@ class ColumnSum:
             acc.fill(0.0)
             for w in cutlass.range_constexpr(self.WARPS):
                 acc.store(acc.load() + warp_sums[None, column, w].load())
-            if cutlass.const_expr(m_out2 is None):
-                cute.copy(atom, acc, vector(m_out, v))
-            else:
-                if v < self.split // VECTOR:
-                    cute.copy(atom, acc, vector(m_out, v))
-                else:
-                    cute.copy(atom, acc, vector(m_out2, v - self.split // VECTOR))
+            cute.copy(atom, acc, vector(m_out, v))
 
 
 class ColumnSumsInWarps:
