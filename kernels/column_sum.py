@@ -34,19 +34,17 @@ class ColumnSum:
     LINE_VECTORS = 4
     ROW_LANES = 32 // LINE_VECTORS
 
-    def __init__(self, hidden: int, split: int | None = None):
-        """split: with `out2` at the call, columns [0, split) go to out and the rest to out2
-        (two gradients' partials side by side, one launch)."""
-        self.hidden, self.split = hidden, split
+    def __init__(self, hidden: int):
+        self.hidden = hidden
 
     @cute.jit
-    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream, skip=None, out2=None):
-        self.kernel(partials, out, skip, out2).launch(
+    def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream, skip=None):
+        self.kernel(partials, out, skip).launch(
             grid=[cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1, 1], block=[32 * self.WARPS, 1, 1],
             stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor, m_skip, m_out2):
+    def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor, m_skip):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, warp = tidx % 32, tidx // 32
@@ -79,10 +77,45 @@ class ColumnSum:
             acc.fill(0.0)
             for w in cutlass.range_constexpr(self.WARPS):
                 acc.store(acc.load() + warp_sums[None, column, w].load())
-            if cutlass.const_expr(m_out2 is None):
-                cute.copy(atom, acc, vector(m_out, v))
-            else:
+            cute.copy(atom, acc, vector(m_out, v))
+
+
+class ColumnSumsInWarps:
+    """The same fixed-order column sums as a side job of another kernel (the GEMM core's
+    `side_job`: warps its main loop leaves idle), so they need no launch of their own (~4 us
+    of host time a launch on the H200). Columns [0, split) go to out, the rest to out2.
+
+    A warp owns a 16-byte column vector at a time (vectors dealt out over every CTA's side
+    warps); its lanes take the partial rows lane, lane + 32, ... and combine by a butterfly.
+    That order depends only on the row count, not on which warp or CTA does it: bitwise
+    repeatable, and the same bits for any grid of the host kernel."""
+
+    def __init__(self, columns: int, split: int):
+        if columns % VECTOR or split % VECTOR:
+            raise ValueError(f"columns and split must be multiples of {VECTOR}, got {columns}, {split}")
+        self.columns, self.split = columns, split
+
+    @cute.jit
+    def run(self, args, warp, warps: int):
+        """args = (partials [rows, columns] fp32, out [split] fp32, out2 [columns - split] fp32)."""
+        partials, out, out2 = args
+        bidx, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % 32
+        atom = wide_copy(Float32)
+        acc = cute.make_rmem_tensor((VECTOR,), Float32)
+        staging = cute.make_rmem_tensor((VECTOR,), Float32)
+        for v in cutlass.range(bidx * warps + warp, self.columns // VECTOR, ctas * warps):
+            acc.fill(0.0)
+            for i in cutlass.range(lane, partials.shape[0], 32, unroll=4):
+                cute.copy(atom, vector(partials[i, None], v), staging)
+                acc.store(acc.load() + staging.load())
+            for offset in cutlass.range_constexpr(5):
+                for e in cutlass.range_constexpr(VECTOR):
+                    acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], 1 << offset)
+            if lane == 0:
                 if v < self.split // VECTOR:
-                    cute.copy(atom, acc, vector(m_out, v))
+                    cute.copy(atom, acc, vector(out, v))
                 else:
-                    cute.copy(atom, acc, vector(m_out2, v - self.split // VECTOR))
+                    cute.copy(atom, acc, vector(out2, v - self.split // VECTOR))

@@ -52,9 +52,12 @@ class Sm100Gemm:
     k_stacked = False  # Sm100SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE):
+                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None):
+        """pdl, side_job: as Sm90Gemm's (programmatic dependent launch after another kernel;
+        work for idle warps: here the four epilogue warps, before their first tile's
+        accumulator is ready)."""
         tiling.check_sm100()
-        self.tiling, self.epilogue = tiling, epilogue
+        self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
         self.a_major = (LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.b_major = (LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -85,7 +88,8 @@ class Sm100Gemm:
         """The same arguments as the Hopper kernel (gemm.fake_arguments)."""
         self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
 
-    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
+    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
+                side_args=None):
         """The launch for one product, a group sharing B (Sm100GroupedGemm) or a sum of products
         into one C (Sm100SummedGemm)."""
         t = self.tiling
@@ -159,9 +163,9 @@ class Sm100Gemm:
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
         self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
-                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped, side).launch(
+                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped, side, side_args).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
-            min_blocks_per_mp=1, stream=stream)  # one CTA per SM: registers need not be rationed
+            min_blocks_per_mp=1, stream=stream, use_pdl=self.pdl)  # one CTA per SM: registers need not be rationed
 
     def _storage(self, stages, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
@@ -184,7 +188,7 @@ class Sm100Gemm:
                m_b: cute.Tensor, tma_c: cute.CopyAtom, m_c: cute.Tensor, cluster_vmnk: cute.Layout,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout,
                epi_tile: cute.Tile, accumulator_layout: cute.Layout, partials: cute.Tensor, flags: cute.Tensor,
-               schedule, fused, grouped, side):
+               schedule, fused, grouped, side, side_args):
         t = self.tiling
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -279,6 +283,8 @@ class Sm100Gemm:
                                               self.mma_tiler[0] * (t.cluster_m // self.pair))
         batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
 
         if warp == TMA_WARP:
             a_mask, b_mask = None, None  # a lone CTA loads for itself
@@ -327,6 +333,9 @@ class Sm100Gemm:
         if warp < MMA_WARP:
             tmem.allocate(self.tmem_columns)
             tmem.wait_for_alloc()
+            if cutlass.const_expr(self.side_job is not None):
+                # after the allocation, which the MMA warp waits for: under the first tile's MMAs
+                self.side_job.run(side_args, warp, len(EPILOGUE_WARPS))
             accumulators = cute.make_tensor(tmem.retrieve_ptr(Float32), accumulator_layout)
             self._epilogue(tidx, tiled_mma, accumulators, accumulator_ready, s_c, products, starts, epi_tile,
                            schedule, k_tiles, tiles_m, tiles_n, coord_vmnk, partials, flags, bidx, warp, io,

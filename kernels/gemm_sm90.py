@@ -59,9 +59,15 @@ class Sm90Gemm:
     k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE):
+                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None):
+        """pdl: launched with programmatic dependent launch, for products that follow another
+        kernel of the same host function: the CTAs start as the previous kernel's CTAs retire
+        and wait (griddepcontrol) for it to finish before touching global memory.
+        side_job: work for warps the main loop leaves idle (the producer warpgroup's three
+        warps beside the TMA warp), `side_job.run(side_args, warp, warps)` in every CTA with
+        the `side_args` given at launch; it must not touch the product's tensors."""
         tiling.check_sm90()
-        self.tiling, self.epilogue = tiling, epilogue
+        self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
         self.a_layout = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -94,7 +100,8 @@ class Sm90Gemm:
         epilogue's [M, N] inputs and second output (None where it has none)."""
         self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
 
-    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream):
+    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
+                side_args=None):
         """The launch for one product, for a group of products sharing B (one A and one C each:
         Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm)."""
         t = self.tiling
@@ -151,8 +158,9 @@ class Sm90Gemm:
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused, grouped, side).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
-                                            cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream)
+                    schedule, fused, grouped, side, side_args).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
+                                            cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream,
+                                            use_pdl=self.pdl)
 
     def _storage(self, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
@@ -171,7 +179,7 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused, grouped, side):
+               flags: cute.Tensor, schedule, fused, grouped, side, side_args):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -248,6 +256,8 @@ class Sm90Gemm:
             tiles_m = tiles_m + cute.ceil_div(cute.size(g_c_i, mode=[2]), t.cluster_m)
         batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -269,6 +279,9 @@ class Sm90Gemm:
                         ring.producer_commit(state)
                         state.advance()
                 ring.producer_tail(state)
+            else:
+                if cutlass.const_expr(self.side_job is not None):
+                    self.side_job.run(side_args, warp - 1, 3)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,

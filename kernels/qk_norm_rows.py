@@ -7,8 +7,8 @@ Work split: one warp per (token, head) row; a lane holds 16-byte vectors of 8 bf
 one per lane), so the row's dot product is one warp reduction. Warps walk the q rows then the
 k rows, grid-stride, a fixed set of rows per warp for a given row count; each keeps fp32 sums
 of grad * normed for its lanes' columns, and the CTA adds its warps in warp order into one
-partial row per CTA (q then k). `ColumnSum` adds the partial rows in a fixed order (one
-launch for both): bitwise repeatable norm-weight gradients, no float atomics.
+partial row per CTA (q then k). The caller adds the partial rows in a fixed order
+(`column_sum.ColumnSumsInWarps`): bitwise repeatable norm-weight gradients, no float atomics.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import BFloat16, Float32, Int32
 
-from .column_sum import ColumnSum
 
 VECTOR = 8  # bf16 elements per 16-byte access
 WARPS = 8
@@ -43,32 +42,27 @@ def token_rows(t):
 
 
 class QkNormBackward:
-    """dq, dk and the per-CTA partials of both norm-weight gradients, then their column sums."""
+    """dq, dk and the per-CTA partials of both norm-weight gradients (the caller adds them:
+    051's summed product does it in its idle warps, column_sum.ColumnSumsInWarps)."""
 
     def __init__(self, head_dim: int):
         self.head_dim = head_dim
         self.vectors = head_dim // VECTOR
         self.vectors_per_lane = -(-self.vectors // 32)
-        # both gradients' partial rows side by side: one column-sum launch, q's half to
-        # grad_weight_q and k's to grad_weight_k
-        self.column_sum = ColumnSum(2 * head_dim, split=head_dim)
 
     @cute.jit
     def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
                  weight_q: cute.Tensor, dq: cute.Tensor, grad_k: cute.Tensor, pre_k: cute.Tensor,
                  rstd_k: cute.Tensor, normed_k: cute.Tensor, weight_k: cute.Tensor, dk: cute.Tensor,
-                 partials: cute.Tensor, grad_weight_q: cute.Tensor, grad_weight_k: cute.Tensor, ctas: Int32,
-                 stream: cuda.CUstream):
+                 partials: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
         """partials: fp32 [rows >= ctas, 2d]: one row per CTA of the grid, its q sums then its k sums."""
         q = (head_rows(grad_q), head_rows(pre_q), head_rows(rstd_q), head_rows(normed_q), weight_q, token_rows(dq))
         k = (head_rows(grad_k), head_rows(pre_k), head_rows(rstd_k), head_rows(normed_k), weight_k, token_rows(dk))
         width = 2 * self.head_dim
         cta_rows = cute.make_tensor(partials.iterator, cute.make_layout((ctas, width), stride=(width, 1)))
+        # (Summing the partials here, by the grid's last CTAs, was measured in session 14: ~3 us
+        # less host time a call but 1.5-8 us more GPU time, a worse mean.)
         self.kernel(*q, *k, cta_rows).launch(grid=[ctas, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
-        # grad_weight_q, grad_weight_k = the partial rows of the CTAs that ran, added in order.
-        # (Summing them in the norm kernel instead, by its last CTAs, was measured in session 14:
-        # ~3 us less host time a call but 1.5-8 us more GPU time, a worse mean.)
-        self.column_sum(cta_rows, grad_weight_q, stream, out2=grad_weight_k)
 
     @cute.kernel
     def kernel(self, g_q: cute.Tensor, x_q: cute.Tensor, r_q: cute.Tensor, n_q: cute.Tensor, w_q: cute.Tensor,

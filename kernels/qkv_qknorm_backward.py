@@ -2,8 +2,9 @@
 (qk_norm_rows), then the products on the GEMM core (issue 7's summed and grouped modes),
 all launched by one host call.
 
-    dq, dk, grad_{q,k}_norm_weight                    the norm rows kernel and one column sum
-    grad_hidden_states = [dq dk dv] . [Wq; Wk; Wv]    one summed product
+    dq, dk, per-CTA norm-weight partials              the norm rows kernel
+    grad_hidden_states = [dq dk dv] . [Wq; Wk; Wv]    one summed product, whose idle warps
+                                                      add the partials: grad_{q,k}_norm_weight
     grad_{q,k,v}_weight = [dq dk dv]^T . hidden       one grouped product
 
 Why one host call and few launches: on the H200 host each torch view, transpose or allocation
@@ -11,8 +12,8 @@ costs ~3-6 us and each launch from a compiled host function ~4.3 us (the TVM-FFI
 well under 1 us), so the first version (three host calls, five launches, dq/dk allocated and
 viewed in Python) spent ~140 us of host time on calls whose GPU time is 20-60 us
 (tools/reports/051-plan.md). Here every view is a CuTe layout built inside the compiled host
-function, dq/dk live in a per-stream scratch buffer, and one column-sum launch adds both
-norm-weight gradients' partials.
+function, dq/dk live in a per-stream scratch buffer, the summed product's idle warps add both
+norm-weight gradients' partials (no launch of their own) and the products start under PDL.
 
 dq and dk still go through global memory (bf16, one [T, (heads + 1) * d] buffer: dq's columns,
 then dk's); issue 9's aim, dq and dk made inside the products' operand path and never written,
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
@@ -36,6 +36,7 @@ from . import runtime
 from .epilogue import STORE
 from .gemm import _ARCH_MODULES, _Call, _device_arch
 from .gemm_grouped import stacked_k, stacked_rows
+from .column_sum import ColumnSumsInWarps
 from .qk_norm_rows import CTAS_PER_SM, MAX_HEAD_DIM, VECTOR, WARPS, QkNormBackward
 
 
@@ -50,18 +51,24 @@ def transposed(t):
 
 
 class QkvQkNormBackward:
-    """The whole backward in one compiled host function, four launches: the norm rows kernel
-    (dq, dk, per-CTA partials), the column sum of both norm-weight gradients, the summed
-    product (A K-major, B = the weights read N-major in place) and the grouped product (A =
-    dq/dk/dv read M-major, B = hidden_states read N-major)."""
+    """The whole backward in one compiled host function, three launches: the norm rows kernel
+    (dq, dk, per-CTA partials), the summed product (A K-major, B = the weights read N-major in
+    place; its side job adds the partials into both norm-weight gradients) and the grouped
+    product (A = dq/dk/dv read M-major, B = hidden_states read N-major)."""
 
     def __init__(self, head_dim: int, q_heads: int, hidden: int, arch: str, summed: GemmTiling,
                  grouped: GemmTiling):
         self.head_dim, self.q_heads, self.hidden = head_dim, q_heads, hidden
         self.norm = QkNormBackward(head_dim)
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
-        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE)
-        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE)
+        # Each product follows a kernel of this function: programmatic dependent launch lets
+        # its CTAs start (barriers, descriptors) as that kernel's CTAs retire. The norm-weight
+        # gradients' column sums run in the summed product's idle warps instead of a launch.
+        # (Session 15, one process, mean a call over the 16 workloads: 50.6 us with neither,
+        # 48.6 with PDL, 44.6 with both; the graph time fell too, 0.5-3 us a call.)
+        sums = ColumnSumsInWarps(2 * head_dim, head_dim)
+        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=True, side_job=sums)
+        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=True)
 
     @cute.jit
     def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
@@ -82,14 +89,15 @@ class QkvQkNormBackward:
         dk = cute.make_tensor(dqk.iterator + q_cols,
                               cute.make_layout((batch, seq, 1, d), stride=(seq * row, row, d, 1)))
         self.norm(grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k, normed_k, weight_k, dk,
-                  norm_partials, grad_weight_q, grad_weight_k, norm_ctas, stream)
+                  norm_partials, norm_ctas, stream)
         rows_q = rows(dqk, tokens, q_cols, row)
         rows_k = rows(dqk, tokens, d, row, first=q_cols)
         rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
         x = rows(hidden, tokens, width, width)
         self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
                             [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas,
-                            sum_dp_tiles, sum_per, (None, None, None), stream)
+                            sum_dp_tiles, sum_per, (None, None, None), stream,
+                            side_args=(rows(norm_partials, norm_ctas, 2 * d, 2 * d), grad_weight_q, grad_weight_k))
         self.grouped._launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
                              [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
                              group_per, (None, None, None), stream)
@@ -158,10 +166,23 @@ def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling
     return default_tiling(tokens, hidden, width, arch)
 
 
+def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
+    """The weight gradients' tiling: the GEMM core's rules (64 x 128 tiles for these ~1M-element
+    results), but where the session-14 sweep measured better (graph replay, H200, Gemma-3-270m
+    dims): T = 4096 128 x 64 tiles 17.1 us against 18.0; T = 8192 128 x 128 tiles in 2 x 1
+    clusters split-K 31.7 against 33.5. At T = 2048 the rules' pick was the best."""
+    if arch == "sm_90a":
+        if tokens >= 6144:
+            return GemmTiling(cluster_m=2, split_k=True)
+        if tokens >= 3072:
+            return GemmTiling(tile_n=64)
+    return default_tiling(width, hidden, tokens, arch)
+
+
 def _audit_build(tokens: int):
     """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`."""
     def build(arch, dump_dir):
-        return _build(256, 4, 640, summed_tiling(tokens, 640, 1536, arch), default_tiling(1536, 640, tokens, arch),
+        return _build(256, 4, 640, summed_tiling(tokens, 640, 1536, arch), grouped_tiling(tokens, 640, 1536, arch),
                       arch, dump_dir)
     return build
 
@@ -189,6 +210,12 @@ class _Entry:
         # per stream: one partial row of both norm-weight gradients per CTA of the norm grid
         self.partials = runtime.StreamWorkspace(self.max_ctas, 2 * head_dim, device)
         self.dqk = runtime.GrowingBuffer(torch.bfloat16, device)
+        self._clusters = {}  # cluster size -> clusters the device holds at once (the query synchronizes)
+
+    def max_clusters(self, size: int) -> int:
+        if size not in self._clusters:
+            self._clusters[size] = runtime.max_clusters(self.device, size)
+        return self._clusters[size]
 
 
 class _Plan:
@@ -200,18 +227,20 @@ class _Plan:
 
         d, tokens = entry.head_dim, batch * seq
         widths = (entry.q_heads * d, d, d)
+        self.entry, self.batch, self.seq, self.hidden = entry, batch, seq, hidden
+        self.dqk_elements = tokens * sum(widths[:2])
+        if tokens == 0:  # no launch: the call zeroes the outputs
+            return
         summed = summed_tiling(tokens, hidden, sum(widths), entry.arch)
-        grouped = default_tiling(sum(widths), hidden, tokens, entry.arch)
+        grouped = grouped_tiling(tokens, hidden, sum(widths), entry.arch)
         self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch))
 
         def schedule(tiling, m, k):
-            clusters = runtime.max_clusters(entry.device, tiling.cluster_m * tiling.cluster_n)
+            clusters = entry.max_clusters(tiling.cluster_m * tiling.cluster_n)
             return _Call(None, clusters, tiling, m, hidden, k, entry.device, None, torch.bfloat16)
 
         self.summed = schedule(summed, tokens, stacked_k(widths, summed))
         self.grouped = schedule(grouped, stacked_rows(widths, grouped), tokens)
-        self.entry, self.batch, self.seq, self.hidden = entry, batch, seq, hidden
-        self.dqk_elements = tokens * sum(widths[:2])
         self.norm_ctas = min(entry.max_ctas, -(-tokens * (entry.q_heads + 1) // WARPS))
 
 
@@ -250,8 +279,10 @@ def _check_inputs(grad_query, grad_key, grad_value, hidden_states, q_weight, k_w
             raise ValueError(f"{name}: needs a contiguous last dimension and other strides that are multiples of "
                              f"{VECTOR}, got strides {t.stride()}")
     check_tensor("grad_value", grad_value, dtypes=torch.bfloat16, shape=kv_rows, contiguous=False)
-    if kv_heads != 1 or grad_value.stride(3) != 1 or grad_value.stride(2) != head_dim \
-            or (batch > 1 and grad_value.stride(0) != seq * head_dim):
+    # an empty tensor's strides mean nothing (torch gives [2, 1, 0, d] the strides (d, d, d, 1))
+    if kv_heads != 1 or grad_value.numel() and (
+            grad_value.stride(3) != 1 or grad_value.stride(2) != head_dim
+            or (batch > 1 and grad_value.stride(0) != seq * head_dim)):
         raise ValueError(f"grad_value: read in place as the [tokens, {head_dim}] operand, so one kv head with "
                          f"contiguous rows (strides [s * d, *, d, 1]); got shape {list(grad_value.shape)}, "
                          f"strides {grad_value.stride()}")
@@ -299,7 +330,7 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
     strides (unit last stride, others multiples of 8); grad_value is read in place as the
     [T, d] operand, so one kv head (Gemma-3-270m's) with contiguous rows. out= takes the six
     outputs. The norm-weight gradients are bitwise repeatable (fixed-order sums); the weight
-    gradients as the GEMM core's split-K is (fixed order). Four launches, one host call."""
+    gradients as the GEMM core's split-K is (fixed order). Three launches, one host call."""
     inputs = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
               k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd, q_normed, k_normed)
     try:
@@ -346,6 +377,6 @@ def _new_plan(inputs):
 
 
 def _explain(inputs, out):
-    """Raise the named error for a call the fast path rejected."""
+    """For a call the fast path rejected: raise our named error where the checks find one."""
     _check_inputs(*inputs)
     _outputs(out, *inputs[3:7], inputs[0].shape[3])

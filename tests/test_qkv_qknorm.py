@@ -110,3 +110,12 @@ def test_new_outputs_have_the_contract_shapes_and_dtypes():
     made = _outputs(None, *inputs[3:7], inputs[0].shape[3])
     expected = PROBLEM.reference(*inputs)
     assert [(t.shape, t.dtype) for t in made] == [(t.shape, t.dtype) for t in expected]
+
+
+@pytest.mark.gpu
+def test_no_tokens_gives_zero_gradients():
+    inputs = PROBLEM.make_inputs(2, 0, device="cuda", seed=3)
+    out = (*(torch.full_like(t, float("nan")) for t in inputs[3:7]),
+           *(torch.full_like(t, float("nan"), dtype=torch.float32) for t in inputs[7:9]))
+    kernel(*inputs, out=out)
+    assert out[0].numel() == 0 and all(bool((t == 0).all()) for t in out[1:])
