@@ -178,14 +178,53 @@ def work(schedule, tiles, k_tiles, cluster_size):
     integers, over cluster tiles): whole tiles cta, cta + ctas, ... below dp_tiles (cta being
     the cluster's index, ctas the cluster count), then its stream-K range, last tile first.
     -> (unit count, the tuple `unit` and `owner` read)."""
-    dp_tiles, per = schedule
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
     cta, ctas = cta // cluster_size, ctas // cluster_size
+    dp_tiles, per = schedule[0], schedule[1]
+    if cutlass.const_expr(len(schedule) == 3):
+        ctas = schedule[2]  # a grid wider than the schedule (for a prologue): the clusters past it idle
     # whole tiles: ceil((dp_tiles - cta) / ctas), a non-negative numerator as cta < ctas
     dp_units = (dp_tiles - cta + ctas - 1) // ctas
     start, end = stream_k_range(cta, per, (tiles - dp_tiles) * k_tiles, cutlass.min)
-    return dp_units + stream_k_count(start, end, k_tiles), (cta, ctas, dp_tiles, dp_units, start, end, k_tiles, per)
+    units = dp_units + stream_k_count(start, end, k_tiles)
+    if cutlass.const_expr(len(schedule) == 3):
+        units = cutlass.select_(cta < ctas, units, 0)
+    return units, (cta, ctas, dp_tiles, dp_units, start, end, k_tiles, per)
+
+
+@cute.jit
+def grid_barrier(arrivals, thread):
+    """Every CTA of the grid waits here for all the others (so the grid must be co-resident: the
+    persistent one, a CTA per SM). arrivals: int32 [2], (count, generation), both zero before
+    the first use; the last CTA to arrive resets the count and bumps the generation, which the
+    others watch, so the pair is ready for the next call. Global stores made before it are
+    visible after it, to TMA loads too (the proxy fences on both sides)."""
+    cute.arch.fence_proxy("async.global")
+    cute.arch.barrier()
+    if thread == 0:
+        ctas, _, _ = cute.arch.grid_dim()
+        # read before arriving (the release below orders it): the generation of this use
+        generation = cute.arch.load(arrivals.iterator + 1, Int32, sem="relaxed", scope="gpu")
+        arrived = cute.arch.atomic_add(arrivals.iterator, Int32(1), sem="acq_rel", scope="gpu")
+        if arrived == ctas - 1:
+            cute.arch.store(arrivals.iterator, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.atomic_add(arrivals.iterator + 1, Int32(1), sem="release", scope="gpu")
+        else:
+            while cute.arch.load(arrivals.iterator + 1, Int32, sem="acquire", scope="gpu") == generation:
+                pass
+    cute.arch.barrier()
+    cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def run_prologue(prologue, args, arrivals, scratch, thread, threads: int):
+    """The GEMM core's prologue: `prologue.run` in every thread of every CTA, with the main
+    loop's A stages as its scratch shared memory, then the grid barrier. The scratch's generic
+    accesses come before the stages' first TMA fill (the async-proxy fence)."""
+    prologue.run(args, scratch, thread, threads)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    grid_barrier(arrivals, thread)
 
 
 def unit(u, schedule):

@@ -36,7 +36,8 @@ from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
-                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, batch_last, batch_tile, work)
+                   load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece, unit, batch_last,
+                   batch_tile, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
@@ -52,12 +53,13 @@ class Sm100Gemm:
     k_stacked = False  # Sm100SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None):
-        """pdl, side_job: as Sm90Gemm's (programmatic dependent launch after another kernel;
-        work for idle warps: here the four epilogue warps, before their first tile's
-        accumulator is ready)."""
+                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None):
+        """pdl, side_job, prologue: as Sm90Gemm's (programmatic dependent launch after another
+        kernel; work for idle warps: here the four epilogue warps, before their first tile's
+        accumulator is ready; work for every thread before the main loop, then a grid barrier)."""
         tiling.check_sm100()
         self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
+        self.prologue = prologue
         self.a_major = (LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.b_major = (LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -89,9 +91,9 @@ class Sm100Gemm:
         self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
 
     def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
-                side_args=None):
+                side_args=None, prologue_args=None, arrivals=None, grid=None):
         """The launch for one product, a group sharing B (Sm100GroupedGemm) or a sum of products
-        into one C (Sm100SummedGemm)."""
+        into one C (Sm100SummedGemm); the prologue's arguments as Sm90Gemm._launch's."""
         t = self.tiling
         in0, in1, out1 = extras
         # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
@@ -162,8 +164,14 @@ class Sm100Gemm:
             grouped += (*load_a(batch_last(a_g)), *piece(store, batch_last(c_g)))
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
         self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
+        schedule = (dp_tiles, sk_per)
+        if cutlass.const_expr(self.prologue is not None):
+            if cutlass.const_expr(self.prologue.scratch_bytes(self.threads) > cute.cosize(a_smem) * 2):
+                raise ValueError(f"tiling {t.spec}: the prologue needs more shared memory than the A stages hold")
+            schedule, ctas = (dp_tiles, sk_per, ctas // self.cluster_size), grid
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
-                    accumulators.layout, partials, flags, (dp_tiles, sk_per), fused, grouped, side, side_args).launch(
+                    accumulators.layout, partials, flags, schedule, fused, grouped, side, side_args, prologue_args,
+                    arrivals).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1, stream=stream, use_pdl=self.pdl)  # one CTA per SM: registers need not be rationed
 
@@ -188,7 +196,7 @@ class Sm100Gemm:
                m_b: cute.Tensor, tma_c: cute.CopyAtom, m_c: cute.Tensor, cluster_vmnk: cute.Layout,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout,
                epi_tile: cute.Tile, accumulator_layout: cute.Layout, partials: cute.Tensor, flags: cute.Tensor,
-               schedule, fused, grouped, side, side_args):
+               schedule, fused, grouped, side, side_args, prologue_args, arrivals):
         t = self.tiling
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -285,6 +293,8 @@ class Sm100Gemm:
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
+        if cutlass.const_expr(self.prologue is not None):
+            run_prologue(self.prologue, prologue_args, arrivals, storage.sA.data_ptr(), tidx, self.threads)
 
         if warp == TMA_WARP:
             a_mask, b_mask = None, None  # a lone CTA loads for itself

@@ -49,7 +49,8 @@ from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, Gemm
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        quad_sum, read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
-                   load_k_tile, owner, publish_partial, store_partial, store_piece, unit, batch_last, batch_tile, work)
+                   load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece, unit, batch_last,
+                   batch_tile, work)
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
@@ -59,15 +60,19 @@ class Sm90Gemm:
     k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None):
+                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None):
         """pdl: launched with programmatic dependent launch, for products that follow another
         kernel of the same host function: the CTAs start as the previous kernel's CTAs retire
         and wait (griddepcontrol) for it to finish before touching global memory.
         side_job: work for warps the main loop leaves idle (the producer warpgroup's three
         warps beside the TMA warp), `side_job.run(side_args, warp, warps)` in every CTA with
-        the `side_args` given at launch; it must not touch the product's tensors."""
+        the `side_args` given at launch; it must not touch the product's tensors.
+        prologue: work every thread of every CTA does before the main loop, ending at a grid
+        barrier, so the main loop may read what it wrote (gemm.run_prologue; its shared memory
+        is the A stages', `prologue.scratch_bytes(threads)` of it)."""
         tiling.check_sm90()
         self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
+        self.prologue = prologue
         self.a_layout = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -101,9 +106,11 @@ class Sm90Gemm:
         self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
 
     def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
-                side_args=None):
+                side_args=None, prologue_args=None, arrivals=None, grid=None):
         """The launch for one product, for a group of products sharing B (one A and one C each:
-        Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm)."""
+        Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm).
+        With a prologue: its arguments, the grid barrier's `arrivals` and the `grid` (CTAs, a
+        whole number of clusters that the device holds at once, at least `ctas`)."""
         t = self.tiling
         in0, in1, out1 = extras
         # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
@@ -157,10 +164,14 @@ class Sm90Gemm:
 
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule = (dp_tiles, sk_per)
+        if cutlass.const_expr(self.prologue is not None):
+            if cutlass.const_expr(self.prologue.scratch_bytes(self.threads) > cute.cosize(a_smem) * 2):
+                raise ValueError(f"tiling {t.spec}: the prologue needs more shared memory than the A stages hold")
+            schedule, ctas = (dp_tiles, sk_per, ctas // self.cluster_size), grid
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused, grouped, side, side_args).launch(grid=[ctas, 1, 1], block=[self.threads, 1, 1],
-                                            cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1, stream=stream,
-                                            use_pdl=self.pdl)
+                    schedule, fused, grouped, side, side_args, prologue_args, arrivals).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1,
+            stream=stream, use_pdl=self.pdl)
 
     def _storage(self, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
@@ -179,7 +190,7 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused, grouped, side, side_args):
+               flags: cute.Tensor, schedule, fused, grouped, side, side_args, prologue_args, arrivals):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -194,6 +205,12 @@ class Sm90Gemm:
         b_peers = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)  # same n, all m
 
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
+        if cutlass.const_expr(self.prologue is not None):
+            # first of all: little is live across it (set up after it, the main loop spilled at
+            # 256 x 160 tiles)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+            run_prologue(self.prologue, prologue_args, arrivals, storage.sA.data_ptr(), tidx, self.threads)
         stage_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
         # One producer thread arms each stage; every consumer warp that reads it releases it, in
@@ -256,7 +273,7 @@ class Sm90Gemm:
             tiles_m = tiles_m + cute.ceil_div(cute.size(g_c_i, mode=[2]), t.cluster_m)
         batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
-        if cutlass.const_expr(self.pdl):
+        if cutlass.const_expr(self.pdl and self.prologue is None):
             cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
 
         if warpgroup == 0:

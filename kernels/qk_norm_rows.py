@@ -1,4 +1,5 @@
-"""The Q/K norm backward rows of L1/051 (Gemma3 RMSNorm with scale 1 + w), one kernel:
+"""The Q/K norm backward rows of L1/051 (Gemma3 RMSNorm with scale 1 + w), as the prologue of
+051's summed product:
 
     dq = bf16(rms_dx(grad_query * (1 + q_norm_weight), query_transposed, q_rstd))   per head row
     grad_q_norm_weight = sum over rows of fp32(grad_query) * q_normed                (k likewise)
@@ -12,17 +13,17 @@ partial row per CTA (q then k). The caller adds the partial rows in a fixed orde
 """
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.memory
-from cutlass import BFloat16, Float32, Int32
-
+from cutlass import BFloat16, Float32
 
 VECTOR = 8  # bf16 elements per 16-byte access
-WARPS = 8
-CTAS_PER_SM = 4
 MAX_HEAD_DIM = 1024
+
+
+def vector(row, index):
+    """16-byte vector `index` (VECTOR bf16) of a row."""
+    return cute.zipped_divide(row, (VECTOR,))[None, index]
 
 
 def head_rows(t):
@@ -43,36 +44,46 @@ def token_rows(t):
 
 class QkNormBackward:
     """dq, dk and the per-CTA partials of both norm-weight gradients (the caller adds them:
-    051's summed product does it in its idle warps, column_sum.ColumnSumsInWarps)."""
+    051's summed product does it in its idle warps, column_sum.ColumnSumsInWarps).
 
-    def __init__(self, head_dim: int):
-        self.head_dim = head_dim
+    `run` is the whole pass for the threads of one CTA, written as another kernel's prologue
+    (the GEMM core's `prologue`: every CTA of 051's summed product's persistent grid, before
+    its main loop). A warp keeps `in_flight` rows' loads outstanding at once: its 16-byte loads
+    of the next rows are issued before the first row's reduction, so the 12 warps of a Hopper
+    GEMM CTA keep as many bytes in flight as the 32 warps an SM of the kernel this replaced
+    (one row each). Session 15 on the H200: 4 rows matched that kernel's speed at T = 8192
+    (the call 85-87 us either way); 8 were slower (91-92)."""
+
+    def __init__(self, head_dim: int, in_flight: int = 1):
+        self.head_dim, self.in_flight = head_dim, in_flight
         self.vectors = head_dim // VECTOR
         self.vectors_per_lane = -(-self.vectors // 32)
 
-    @cute.jit
-    def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
-                 weight_q: cute.Tensor, dq: cute.Tensor, grad_k: cute.Tensor, pre_k: cute.Tensor,
-                 rstd_k: cute.Tensor, normed_k: cute.Tensor, weight_k: cute.Tensor, dk: cute.Tensor,
-                 partials: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
-        """partials: fp32 [rows >= ctas, 2d]: one row per CTA of the grid, its q sums then its k sums."""
-        q = (head_rows(grad_q), head_rows(pre_q), head_rows(rstd_q), head_rows(normed_q), weight_q, token_rows(dq))
-        k = (head_rows(grad_k), head_rows(pre_k), head_rows(rstd_k), head_rows(normed_k), weight_k, token_rows(dk))
-        width = 2 * self.head_dim
-        cta_rows = cute.make_tensor(partials.iterator, cute.make_layout((ctas, width), stride=(width, 1)))
-        # (Summing the partials here, by the grid's last CTAs, was measured in session 14: ~3 us
-        # less host time a call but 1.5-8 us more GPU time, a worse mean.)
-        self.kernel(*q, *k, cta_rows).launch(grid=[ctas, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
+    def scratch_bytes(self, threads: int) -> int:
+        """Shared memory `run` needs: one fp32 row of the head dim per warp."""
+        return 4 * self.head_dim * (threads // 32)
 
-    @cute.kernel
-    def kernel(self, g_q: cute.Tensor, x_q: cute.Tensor, r_q: cute.Tensor, n_q: cute.Tensor, w_q: cute.Tensor,
-               o_q: cute.Tensor, g_k: cute.Tensor, x_k: cute.Tensor, r_k: cute.Tensor, n_k: cute.Tensor,
-               w_k: cute.Tensor, o_k: cute.Tensor, m_part: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
+    def arguments(self, grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k, normed_k, weight_k,
+                  dk, cta_rows):
+        """`run`'s arguments: per-head [b, heads, s, d] tensors as rows, dq/dk [b, s, heads, d]
+        as rows in the same order, the partial rows [ctas, 2d]."""
+        return ((head_rows(grad_q), head_rows(pre_q), head_rows(rstd_q), head_rows(normed_q), weight_q,
+                 token_rows(dq)),
+                (head_rows(grad_k), head_rows(pre_k), head_rows(rstd_k), head_rows(normed_k), weight_k,
+                 token_rows(dk)), cta_rows)
+
+    @cute.jit
+    def run(self, args, scratch, tidx, threads: int):
+        """This CTA's share of the rows, then its partial row. scratch: shared memory of
+        `scratch_bytes(threads)`, free for the call (fp32)."""
+        q, k, m_part = args
+        g_q, x_q, r_q, n_q, w_q, o_q = q
+        g_k, x_k, r_k, n_k, w_k, o_k = k
+        warps = threads // 32
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tidx % 32, tidx // 32
-        vpl = self.vectors_per_lane
+        vpl, flight = self.vectors_per_lane, self.in_flight
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * 8)
         scale_q = self.one_plus(atom, w_q, lane)
         scale_k = self.one_plus(atom, w_k, lane)
@@ -80,18 +91,35 @@ class QkNormBackward:
         sums_k = cute.make_rmem_tensor((VECTOR, vpl), Float32)
         sums_q.fill(0.0)
         sums_k.fill(0.0)
+        # the rows in flight: bf16 as loaded, and each row's rstd
+        grad = cute.make_rmem_tensor((VECTOR, vpl, flight), BFloat16)
+        pre = cute.make_rmem_tensor((VECTOR, vpl, flight), BFloat16)
+        normed = cute.make_rmem_tensor((VECTOR, vpl, flight), BFloat16)
+        rstd = cute.make_rmem_tensor((flight,), Float32)
         rows_q, rows_k = cute.size(g_q, mode=[0]), cute.size(g_k, mode=[0])
-        for r in cutlass.range(bidx * WARPS + warp, rows_q + rows_k, ctas * WARPS):
-            if r < rows_q:
-                self.row(atom, g_q, x_q, r_q, n_q, o_q, scale_q, sums_q, r, lane)
-            else:
-                self.row(atom, g_k, x_k, r_k, n_k, o_k, scale_k, sums_k, r - rows_q, lane)
-        smem = cutlass.memory.SmemAllocator()
-        across = smem.allocate_tensor(Float32, cute.make_layout((self.head_dim, WARPS)), byte_alignment=16)
+        stride = ctas * warps
+        for first in cutlass.range(bidx * warps + warp, rows_q + rows_k, stride * flight):
+            for i in cutlass.range_constexpr(flight):
+                r = first + i * stride
+                if r < rows_q:
+                    self.load(atom, g_q, x_q, r_q, n_q, r, lane, grad, pre, normed, rstd, i)
+                else:
+                    if r < rows_q + rows_k:
+                        self.load(atom, g_k, x_k, r_k, n_k, r - rows_q, lane, grad, pre, normed, rstd, i)
+            for i in cutlass.range_constexpr(flight):
+                r = first + i * stride
+                if r < rows_q:
+                    self.finish(atom, o_q, scale_q, sums_q, r, lane, grad, pre, normed, rstd, i)
+                else:
+                    if r < rows_q + rows_k:
+                        self.finish(atom, o_k, scale_k, sums_k, r - rows_q, lane, grad, pre, normed, rstd, i)
+        across = cute.make_tensor(cute.recast_ptr(scratch, dtype=Float32), cute.make_layout((self.head_dim, warps)))
         d = self.head_dim
         row = m_part[bidx, None]
-        self.partial_row(sums_q, across, cute.make_tensor(row.iterator, cute.make_layout((d,))), lane, warp, tidx)
-        self.partial_row(sums_k, across, cute.make_tensor(row.iterator + d, cute.make_layout((d,))), lane, warp, tidx)
+        self.partial_row(sums_q, across, cute.make_tensor(row.iterator, cute.make_layout((d,))), lane, warp, tidx,
+                         threads)
+        self.partial_row(sums_k, across, cute.make_tensor(row.iterator + d, cute.make_layout((d,))), lane, warp,
+                         tidx, threads)
 
     @cute.jit
     def one_plus(self, atom, m_weight, lane):
@@ -101,44 +129,45 @@ class QkNormBackward:
         scale.fill(0.0)
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             if lane + 32 * j < self.vectors:
-                cute.copy(atom, cute.zipped_divide(m_weight, (VECTOR,))[None, lane + 32 * j], staging)
+                cute.copy(atom, vector(m_weight, lane + 32 * j), staging)
                 scale[None, j].store(staging.load().to(Float32) + 1.0)
         return scale
 
     @cute.jit
-    def row(self, atom, m_grad, m_pre, m_rstd, m_normed, m_out, scale, sums, r, lane):
-        """One head row: out = bf16(rstd * gn - x * rstd^3 * sum(gn * x) / d) with gn = grad * scale;
-        sums += grad * normed."""
-        vpl = self.vectors_per_lane
-        grad = cute.make_rmem_tensor((VECTOR, vpl), Float32)
-        pre = cute.make_rmem_tensor((VECTOR, vpl), Float32)
-        staging = cute.make_rmem_tensor((VECTOR,), BFloat16)
-        grad.fill(0.0)
-        pre.fill(0.0)
-        rstd = m_rstd[r, 0]
-        dot = Float32(0.0)
-        for j in cutlass.range_constexpr(vpl):
+    def load(self, atom, m_grad, m_pre, m_rstd, m_normed, r, lane, grad, pre, normed, rstd, i):
+        """Head row r's loads into in-flight slot i."""
+        rstd[i] = m_rstd[r, 0]
+        for j in cutlass.range_constexpr(self.vectors_per_lane):
             v = lane + 32 * j
             if v < self.vectors:
-                cute.copy(atom, cute.zipped_divide(m_grad[r, None], (VECTOR,))[None, v], staging)
-                grad[None, j].store(staging.load().to(Float32))
-                cute.copy(atom, cute.zipped_divide(m_pre[r, None], (VECTOR,))[None, v], staging)
-                pre[None, j].store(staging.load().to(Float32))
-                cute.copy(atom, cute.zipped_divide(m_normed[r, None], (VECTOR,))[None, v], staging)
-                sums[None, j].store(sums[None, j].load() + grad[None, j].load() * staging.load().to(Float32))
-                gn = grad[None, j].load() * scale[None, j].load()
-                dot += (gn * pre[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
-        coefficient = rstd * rstd * rstd * dot * (1.0 / self.head_dim)
-        for j in cutlass.range_constexpr(vpl):
-            v = lane + 32 * j
-            if v < self.vectors:
-                gn = grad[None, j].load() * scale[None, j].load()
-                staging.store((gn * rstd - pre[None, j].load() * coefficient).to(BFloat16))
-                cute.copy(atom, staging, cute.zipped_divide(m_out[r, None], (VECTOR,))[None, v])
+                cute.copy(atom, vector(m_grad[r, None], v), grad[None, j, i])
+                cute.copy(atom, vector(m_pre[r, None], v), pre[None, j, i])
+                cute.copy(atom, vector(m_normed[r, None], v), normed[None, j, i])
 
     @cute.jit
-    def partial_row(self, sums, across, m_partial_row, lane, warp, tidx):
+    def finish(self, atom, m_out, scale, sums, r, lane, grad, pre, normed, rstd, i):
+        """Head row r from slot i: out = bf16(rstd * gn - x * rstd^3 * sum(gn * x) / d) with
+        gn = grad * scale; sums += grad * normed."""
+        staging = cute.make_rmem_tensor((VECTOR,), BFloat16)
+        dot = Float32(0.0)
+        for j in cutlass.range_constexpr(self.vectors_per_lane):
+            if lane + 32 * j < self.vectors:
+                g = grad[None, j, i].load().to(Float32)
+                sums[None, j].store(sums[None, j].load() + g * normed[None, j, i].load().to(Float32))
+                dot += (g * scale[None, j].load() * pre[None, j, i].load().to(Float32)).reduce(
+                    cute.ReductionOp.ADD, Float32(0.0), 0)
+        dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
+        s = rstd[i]
+        coefficient = s * s * s * dot * (1.0 / self.head_dim)
+        for j in cutlass.range_constexpr(self.vectors_per_lane):
+            v = lane + 32 * j
+            if v < self.vectors:
+                gn = grad[None, j, i].load().to(Float32) * scale[None, j].load()
+                staging.store((gn * s - pre[None, j, i].load().to(Float32) * coefficient).to(BFloat16))
+                cute.copy(atom, staging, vector(m_out[r, None], v))
+
+    @cute.jit
+    def partial_row(self, sums, across, m_partial_row, lane, warp, tidx, threads: int):
         """The CTA's partial row: its warps' sums added in warp order."""
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             v = lane + 32 * j
@@ -146,9 +175,9 @@ class QkNormBackward:
                 for e in cutlass.range_constexpr(VECTOR):
                     across[v * VECTOR + e, warp] = sums[e, j]
         cute.arch.barrier()
-        for c in cutlass.range(tidx, self.head_dim, 32 * WARPS):
+        for c in cutlass.range(tidx, self.head_dim, threads):
             total = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
+            for w in cutlass.range_constexpr(threads // 32):
                 total += across[c, w]
             m_partial_row[c] = total
         cute.arch.barrier()  # `across` is reused for the next partial row

@@ -1,19 +1,20 @@
-"""L1/051 Gemma3 QKV projection with Q/K RMSNorm backward: the norm backward rows
-(qk_norm_rows), then the products on the GEMM core (issue 7's summed and grouped modes),
-all launched by one host call.
+"""L1/051 Gemma3 QKV projection with Q/K RMSNorm backward: two launches of the GEMM core
+(issue 7's summed and grouped modes) from one host call.
 
-    dq, dk, per-CTA norm-weight partials              the norm rows kernel
-    grad_hidden_states = [dq dk dv] . [Wq; Wk; Wv]    one summed product, whose idle warps
-                                                      add the partials: grad_{q,k}_norm_weight
-    grad_{q,k,v}_weight = [dq dk dv]^T . hidden       one grouped product
+    launch 1, the summed product:
+      prologue (every CTA, then a grid barrier)     dq, dk, per-CTA norm-weight partials
+      main loop                                     grad_hidden_states = [dq dk dv] . [Wq; Wk; Wv]
+      side job (the producer's idle warps)          grad_{q,k}_norm_weight = the partials' sums
+    launch 2, the grouped product (PDL)             grad_{q,k,v}_weight = [dq dk dv]^T . hidden
 
 Why one host call and few launches: on the H200 host each torch view, transpose or allocation
 costs ~3-6 us and each launch from a compiled host function ~4.3 us (the TVM-FFI call itself
 well under 1 us), so the first version (three host calls, five launches, dq/dk allocated and
 viewed in Python) spent ~140 us of host time on calls whose GPU time is 20-60 us
 (tools/reports/051-plan.md). Here every view is a CuTe layout built inside the compiled host
-function, dq/dk live in a per-stream scratch buffer, the summed product's idle warps add both
-norm-weight gradients' partials (no launch of their own) and the products start under PDL.
+function, dq/dk live in a per-stream scratch buffer, and the norm rows and the norm-weight
+sums ride in the summed product (session 15, one process, mean a call over the 16 workloads
+with out=: four launches 50.6 us, three 43.9-46.1, two 41.7; tools/reports/051-plan.md).
 
 dq and dk still go through global memory (bf16, one [T, (heads + 1) * d] buffer: dq's columns,
 then dk's); issue 9's aim, dq and dk made inside the products' operand path and never written,
@@ -37,7 +38,7 @@ from .epilogue import STORE
 from .gemm import _ARCH_MODULES, _Call, _device_arch
 from .gemm_grouped import stacked_k, stacked_rows
 from .column_sum import ColumnSumsInWarps
-from .qk_norm_rows import CTAS_PER_SM, MAX_HEAD_DIM, VECTOR, WARPS, QkNormBackward
+from .qk_norm_rows import MAX_HEAD_DIM, VECTOR, QkNormBackward
 
 
 def rows(t, count, width, stride, first: int = 0):
@@ -51,23 +52,24 @@ def transposed(t):
 
 
 class QkvQkNormBackward:
-    """The whole backward in one compiled host function, three launches: the norm rows kernel
-    (dq, dk, per-CTA partials), the summed product (A K-major, B = the weights read N-major in
-    place; its side job adds the partials into both norm-weight gradients) and the grouped
-    product (A = dq/dk/dv read M-major, B = hidden_states read N-major)."""
+    """The whole backward in one compiled host function, two launches: the summed product (A
+    K-major, B = the weights read N-major in place), whose prologue makes dq, dk and the
+    per-CTA partials and whose side job adds the partials into both norm-weight gradients;
+    then the grouped product (A = dq/dk/dv read M-major, B = hidden_states read N-major)."""
 
     def __init__(self, head_dim: int, q_heads: int, hidden: int, arch: str, summed: GemmTiling,
                  grouped: GemmTiling):
         self.head_dim, self.q_heads, self.hidden = head_dim, q_heads, hidden
-        self.norm = QkNormBackward(head_dim)
+        self.norm = QkNormBackward(head_dim, in_flight=4)
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
-        # Each product follows a kernel of this function: programmatic dependent launch lets
-        # its CTAs start (barriers, descriptors) as that kernel's CTAs retire. The norm-weight
-        # gradients' column sums run in the summed product's idle warps instead of a launch.
-        # (Session 15, one process, mean a call over the 16 workloads: 50.6 us with neither,
-        # 48.6 with PDL, 44.6 with both; the graph time fell too, 0.5-3 us a call.)
+        # Both launches under programmatic dependent launch: a product's CTAs start (barriers,
+        # descriptors) as the previous kernel's retire. The norm-weight gradients' column sums
+        # run in the summed product's idle warps instead of a launch of their own. (Session 15,
+        # one process, mean a call over the 16 workloads: 50.6 us with neither, 48.6 with PDL,
+        # 44.6 with both.)
         sums = ColumnSumsInWarps(2 * head_dim, head_dim)
-        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=True, side_job=sums)
+        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=True, side_job=sums,
+                                       prologue=self.norm)
         self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=True)
 
     @cute.jit
@@ -79,17 +81,18 @@ class QkvQkNormBackward:
                  grad_weight_k: cute.Tensor, dqk: cute.Tensor, norm_partials: cute.Tensor,
                  sum_partials: cute.Tensor, sum_flags: cute.Tensor, sum_ctas: Int32, sum_dp_tiles: Int32,
                  sum_per: Int32, group_partials: cute.Tensor, group_flags: cute.Tensor, group_ctas: Int32,
-                 group_dp_tiles: Int32, group_per: Int32, norm_ctas: Int32, stream):
+                 group_dp_tiles: Int32, group_per: Int32, arrivals: cute.Tensor, grid: Int32, stream):
         d, q_cols, width = self.head_dim, self.q_heads * self.head_dim, self.hidden
         batch, seq = hidden.shape[0], hidden.shape[1]
         tokens, row = batch * seq, q_cols + d
-        # dq and dk as one [T, (heads + 1) * d] bf16 buffer; the norm kernel sees [b, s, heads, d]
+        # dq and dk as one [T, (heads + 1) * d] bf16 buffer; the norm rows see [b, s, heads, d]
         dq = cute.make_tensor(dqk.iterator, cute.make_layout((batch, seq, self.q_heads, d),
                                                              stride=(seq * row, row, d, 1)))
         dk = cute.make_tensor(dqk.iterator + q_cols,
                               cute.make_layout((batch, seq, 1, d), stride=(seq * row, row, d, 1)))
-        self.norm(grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k, normed_k, weight_k, dk,
-                  norm_partials, norm_ctas, stream)
+        partial_rows = rows(norm_partials, grid, 2 * d, 2 * d)  # one per CTA of the summed product
+        prologue = self.norm.arguments(grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k,
+                                       normed_k, weight_k, dk, partial_rows)
         rows_q = rows(dqk, tokens, q_cols, row)
         rows_k = rows(dqk, tokens, d, row, first=q_cols)
         rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
@@ -97,7 +100,8 @@ class QkvQkNormBackward:
         self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
                             [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas,
                             sum_dp_tiles, sum_per, (None, None, None), stream,
-                            side_args=(rows(norm_partials, norm_ctas, 2 * d, 2 * d), grad_weight_q, grad_weight_k))
+                            side_args=(partial_rows, grad_weight_q, grad_weight_k), prologue_args=prologue,
+                            arrivals=arrivals, grid=grid)
         self.grouped._launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
                              [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
                              group_per, (None, None, None), stream)
@@ -143,7 +147,8 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
     return (*side(q_heads), *side(1), grad_value, activations(),
             matrix(q_heads * d), matrix(d), matrix(d), activations(), matrix(q_heads * d), matrix(d), matrix(d),
             grad_weight(), grad_weight(), runtime.fake_tensor(BFloat16, (cute.sym_int32(),), (1,), 16),
-            flat(Float32, 2 * d), *schedule(summed), *schedule(grouped), Int32(1), runtime.env_stream())
+            flat(Float32, 2 * d), *schedule(summed), *schedule(grouped), runtime.fake_tensor(Int32, (2,), (1,), 4),
+            Int32(1), runtime.env_stream())
 
 
 def _build(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling, arch: str,
@@ -195,20 +200,31 @@ AUDIT_EXPECTS = {"sm_90a": {"require": ["LDG.128", "STG.128", "HGMMA", "UTMALDG"
                             "forbid": ["LOCAL", "ATOM/RED.FLOAT", "HGMMA.SERIAL"]},
                  "sm_100a": {"require": ["LDG.128", "STG.128", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM"],
                              "forbid": ["LOCAL", "ATOM/RED.FLOAT"]}}
+# One known exception. At T >= 6144 the summed product runs 256 x 160 tiles, and with the norm
+# prologue in the kernel ptxas spills three values (an address set up before the tile loop, 7
+# LDL/STL, none in the MMA loop) in its consumer warpgroups; without the prologue it did not. It
+# was kept because it measured fastest (session 15, H200, graph replay us, T = 8192 / 128x64 /
+# 541x16 workloads): 256x160 85.7 / 87.0 / 92.1, against the best spill-free tiling,
+# 128x128c2x1p, 88.7 / 88.3 / 92.3.
+AUDIT_EXPECTS_BY_BUILD = {"qkv_qknorm_backward[T=8192]": {
+    "sm_90a": {**AUDIT_EXPECTS["sm_90a"], "forbid": ["ATOM/RED.FLOAT", "HGMMA.SERIAL"]},
+    "sm_100a": AUDIT_EXPECTS["sm_100a"]}}
 
 
 class _Entry:
-    """What one model's dims on one device need per call: the norm kernel's grid cap, its
-    per-stream partial rows, and the per-stream dq/dk buffer (grown to the longest call)."""
+    """What one model's dims on one device need per call: the widest grid, the per-stream
+    partial rows and barrier counters, and the per-stream dq/dk buffer (grown to the longest
+    call)."""
 
     def __init__(self, head_dim: int, q_heads: int, device):
         import torch
 
         self.device, self.head_dim, self.q_heads = device, head_dim, q_heads
         self.arch = _device_arch(device)
-        self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-        # per stream: one partial row of both norm-weight gradients per CTA of the norm grid
-        self.partials = runtime.StreamWorkspace(self.max_ctas, 2 * head_dim, device)
+        self.max_ctas = torch.cuda.get_device_properties(device).multi_processor_count  # the widest grid
+        # per stream: one partial row of both norm-weight gradients per CTA of the norm grid,
+        # and the summed product's grid-barrier counters
+        self.scratch = _NormScratch(self.max_ctas, 2 * head_dim, device)
         self.dqk = runtime.GrowingBuffer(torch.bfloat16, device)
         self._clusters = {}  # cluster size -> clusters the device holds at once (the query synchronizes)
 
@@ -216,6 +232,16 @@ class _Entry:
         if size not in self._clusters:
             self._clusters[size] = runtime.max_clusters(self.device, size)
         return self._clusters[size]
+
+
+class _NormScratch(runtime.StreamWorkspace):
+    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]) and the grid barrier's
+    counters (int32 [2], zero between calls)."""
+
+    def _new(self):
+        import torch
+
+        return super()._new(), torch.zeros(2, dtype=torch.int32, device=self.device)
 
 
 class _Plan:
@@ -241,7 +267,10 @@ class _Plan:
 
         self.summed = schedule(summed, tokens, stacked_k(widths, summed))
         self.grouped = schedule(grouped, stacked_rows(widths, grouped), tokens)
-        self.norm_ctas = min(entry.max_ctas, -(-tokens * (entry.q_heads + 1) // WARPS))
+        # the summed product's grid, the norm rows' too: every cluster the device holds at once
+        # (all resident: its prologue ends at a grid barrier)
+        size = summed.cluster_m * summed.cluster_n
+        self.grid = entry.max_clusters(size) * size
 
 
 _entries: dict = {}  # (head_dim, q heads, device index) -> _Entry
@@ -330,7 +359,7 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
     strides (unit last stride, others multiples of 8); grad_value is read in place as the
     [T, d] operand, so one kv head (Gemma-3-270m's) with contiguous rows. out= takes the six
     outputs. The norm-weight gradients are bitwise repeatable (fixed-order sums); the weight
-    gradients as the GEMM core's split-K is (fixed order). Three launches, one host call."""
+    gradients as the GEMM core's split-K is (fixed order). Two launches, one host call."""
     inputs = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
               k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd, q_normed, k_normed)
     try:
@@ -351,13 +380,14 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
         _explain(inputs, out)
         raise ValueError("hidden_states, grad_value and out[grad_hidden_states] are read as [T, *] rows: their "
                          "batch stride must be seq rows")
+    partials, arrivals = plan.entry.scratch.get()
     try:
         plan.run(grad_query, query_transposed, q_rstd, q_normed, q_norm_weight, grad_key, key_transposed, k_rstd,
                  k_normed, k_norm_weight, grad_value, hidden_states, q_weight, k_weight, v_weight, *out,
-                 plan.entry.dqk.get(plan.dqk_elements), plan.entry.partials.get(),
+                 plan.entry.dqk.get(plan.dqk_elements), partials,
                  *(plan.summed.fixed_args or (*plan.summed.workspace.get(), *plan.summed.schedule)),
                  *(plan.grouped.fixed_args or (*plan.grouped.workspace.get(), *plan.grouped.schedule)),
-                 plan.norm_ctas)
+                 arrivals, plan.grid)
     except Exception:
         _explain(inputs, out)  # a rejected argument: say which one and why in our own words
         raise
