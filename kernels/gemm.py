@@ -217,6 +217,17 @@ def grid_barrier(arrivals, thread):
     cute.arch.fence_proxy("async.global")
 
 
+def launch_schedule(prologue, threads: int, a_smem, spec: str, dp_tiles, sk_per, ctas, grid, cluster_size: int):
+    """(the kernel's schedule, the launch's CTAs): the stream-K schedule on `ctas` CTAs, or
+    with a prologue the `grid` it runs on, the schedule's cluster count carried along (`work`),
+    after checking the prologue's scratch fits in the A stages."""
+    if prologue is None:
+        return (dp_tiles, sk_per), ctas
+    if prologue.scratch_bytes(threads) > cute.cosize(a_smem) * 2:
+        raise ValueError(f"tiling {spec}: the prologue needs more shared memory than the A stages hold")
+    return (dp_tiles, sk_per, ctas // cluster_size), grid
+
+
 @cute.jit
 def run_prologue(prologue, args, arrivals, scratch, thread, threads: int):
     """The GEMM core's prologue: `prologue.run` in every thread of every CTA, with the main

@@ -36,8 +36,8 @@ from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
-                   load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece, unit, batch_last,
-                   batch_tile, work)
+                   launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
+                   unit, batch_last, batch_tile, work)
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
@@ -164,11 +164,8 @@ class Sm100Gemm:
             grouped += (*load_a(batch_last(a_g)), *piece(store, batch_last(c_g)))
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
         self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
-        schedule = (dp_tiles, sk_per)
-        if cutlass.const_expr(self.prologue is not None):
-            if cutlass.const_expr(self.prologue.scratch_bytes(self.threads) > cute.cosize(a_smem) * 2):
-                raise ValueError(f"tiling {t.spec}: the prologue needs more shared memory than the A stages hold")
-            schedule, ctas = (dp_tiles, sk_per, ctas // self.cluster_size), grid
+        schedule, ctas = launch_schedule(self.prologue, self.threads, a_smem, t.spec, dp_tiles, sk_per, ctas, grid,
+                                         self.cluster_size)
         self.kernel(tiled_mma, tma_a, ta, tma_b, tb, tma_c, tc, cluster_vmnk, a_smem, b_smem, c_smem, epi_tile,
                     accumulators.layout, partials, flags, schedule, fused, grouped, side, side_args, prologue_args,
                     arrivals).launch(
