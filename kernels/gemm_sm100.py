@@ -170,7 +170,8 @@ class Sm100Gemm:
                     accumulators.layout, partials, flags, schedule, fused, grouped, side, side_args, prologue_args,
                     arrivals).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1),
-            min_blocks_per_mp=1, stream=stream, use_pdl=self.pdl)  # one CTA per SM: registers need not be rationed
+            min_blocks_per_mp=1, stream=stream, use_pdl=self.pdl,  # one CTA per SM: registers need not be rationed
+            cooperative=self.prologue is not None)  # co-resident: the prologue ends at a grid barrier
 
     def _storage(self, stages, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built

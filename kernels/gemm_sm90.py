@@ -168,7 +168,7 @@ class Sm90Gemm:
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
                     schedule, fused, grouped, side, side_args, prologue_args, arrivals).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1,
-            stream=stream, use_pdl=self.pdl)
+            stream=stream, use_pdl=self.pdl, cooperative=self.prologue is not None)  # co-resident: a grid barrier
 
     def _storage(self, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
