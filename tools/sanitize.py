@@ -42,10 +42,10 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue
             assert_parity(["c"], [matmul_nt(a, b, out=c, epilogue="add", tiling=picked, stream_k=stream_k)], [want],
                           [c_dtype])
         elif epilogue == "dswiglu":
-            gate, up = (torch.randn(m, n, device="cuda", generator=g).bfloat16() for _ in range(2))
+            gate, up, silu_up = (torch.randn(m, n, device="cuda", generator=g).bfloat16() for _ in range(3))
             sig = torch.sigmoid(up.float())
-            want = [product * up.float() * sig, product * gate.float() * sig * (1 + up.float() * (1 - sig))]
-            got = matmul_nt(a, b, epilogue="dswiglu", inputs=(gate, up), tiling=picked, stream_k=stream_k)
+            want = [product * silu_up.float(), product * gate.float() * sig * (1 + up.float() * (1 - sig))]
+            got = matmul_nt(a, b, epilogue="dswiglu", inputs=(gate, up, silu_up), tiling=picked, stream_k=stream_k)
             assert_parity(["grad_gate", "grad_up"], list(got), want, [c_dtype] * 2)
         elif epilogue == "row_dot":  # n / 160 heads of 160 columns
             x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
