@@ -1,0 +1,104 @@
+"""L2/056 against the fp32 reference: the 16 workloads, odd sizes (a sequence length that is
+not a multiple of 8, one token), inputs from a real forward pass, repeatability, argument errors."""
+import pytest
+import torch
+
+from cutebwd.references import PROBLEMS
+from cutebwd.references.workloads import WORKLOADS
+from cutebwd.tools.parity import check_problem
+
+PROBLEM = PROBLEMS["decoder_layer_backward"]
+# Scaled-down dimensions that keep the kernels' constraints: head_dim a multiple of 32, widths of 8.
+SMALL = {"hidden": 256, "q_heads": 4, "kv_heads": 2, "head_dim": 32, "intermediate": 320}
+
+
+def kernel(*args, **kwargs):
+    from cutebwd import decoder_layer_backward
+
+    return decoder_layer_backward(*args, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq,batch", WORKLOADS["decoder_layer_backward"])
+def test_workloads(seq, batch):
+    check_problem(PROBLEM, kernel, batch, seq, seed=seq * 100 + batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,seq,dims", [
+    (1, 1, SMALL),
+    (2, 37, SMALL),
+    (3, 64, {**SMALL, "q_heads": 8, "kv_heads": 2, "head_dim": 64}),
+    (1, 50, {**SMALL, "kv_heads": 4}),  # one query head per kv head
+])
+def test_odd_sizes(batch, seq, dims):
+    check_problem(PROBLEM, kernel, batch, seq, dims=dims, seed=batch + seq)
+
+
+@pytest.mark.gpu
+def test_inputs_from_a_forward_pass():
+    check_problem(PROBLEM, kernel, 2, 211, consistent=True, seed=4)
+
+
+@pytest.mark.gpu
+def test_outputs_are_bitwise_repeatable():
+    inputs = PROBLEM.make_inputs(2, 128, device="cuda", seed=6)
+    first = [t.clone() for t in kernel(*inputs)]
+    again = kernel(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+def test_argument_errors():
+    inputs = list(PROBLEM.make_inputs(1, 16, device="cuda", seed=1, dims=SMALL))
+    bad = list(inputs)
+    bad[0] = bad[0].float()
+    with pytest.raises(TypeError, match="grad_output: expected dtype bfloat16"):
+        kernel(*bad)
+    bad = list(inputs)
+    bad[12] = bad[12][:, :, :, :8]
+    with pytest.raises(ValueError, match="attn_weights: expected shape"):
+        kernel(*bad)
+    bad = list(inputs)
+    bad[16] = bad[16].transpose(1, 2).contiguous().transpose(1, 2)  # gate: token rows not flattenable
+    with pytest.raises(ValueError, match="gate: expected \\[b, s, 320\\] rows"):
+        kernel(*bad)
+    bad = list(inputs)
+    bad[21] = bad[21].cpu()
+    with pytest.raises(ValueError, match="q_weight: expected a CUDA tensor"):
+        kernel(*bad)
+    bad = list(inputs)
+    bad[29] = bad[29].bfloat16()
+    with pytest.raises(TypeError, match="variance1: expected dtype float32"):
+        kernel(*bad)
+    with pytest.raises(ValueError, match="out: a tuple of the ten outputs"):
+        kernel(*inputs, out=(torch.empty(1),))
+
+
+@pytest.mark.gpu
+def test_no_tokens_gives_zero_weight_gradients():
+    inputs = PROBLEM.make_inputs(2, 0, device="cuda", seed=3, dims=SMALL)
+    outs = kernel(*inputs)
+    assert outs[0].numel() == 0 and all(bool((t == 0).all()) for t in outs[1:])
+
+
+def test_new_outputs_have_the_contract_shapes_and_dtypes():
+    """The outputs made when out= is not given (runs without a GPU: only shapes matter)."""
+    from cutebwd.kernels.decoder_layer_backward import INPUTS, _outputs
+
+    inputs = PROBLEM.make_inputs(2, 8, dims={"hidden": 32, "q_heads": 4, "kv_heads": 2, "head_dim": 8,
+                                             "intermediate": 40})
+    made = _outputs(None, dict(zip(INPUTS, inputs)), 32)
+    expected = PROBLEM.reference(*inputs)
+    assert [(t.shape, t.dtype) for t in made] == [(t.shape, t.dtype) for t in expected]
+
+
+def test_the_signature_matches_the_contract():
+    import inspect
+
+    from cutebwd.kernels.decoder_layer_backward import INPUTS, decoder_layer_backward
+    from cutebwd.references import decoder_layer
+
+    assert INPUTS + ("eps",) == decoder_layer.INPUTS
+    assert tuple(inspect.signature(decoder_layer_backward).parameters)[:len(decoder_layer.INPUTS)] == \
+        decoder_layer.INPUTS
