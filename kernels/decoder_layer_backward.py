@@ -10,7 +10,8 @@ lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
     4     grad_gate_weight, grad_up_weight = [g_gate; g_up]^T . ffn_input    grouped product
     5     g_attn = bf16(go + rms_dx(g_ffn * w2, residual2, rstd2)) and       013's row kernel in
           grad_post_attn_ln_weight                                           056's form
-    6     g_ao = g_attn . Wo, D = rowsum(g_ao * attn_output) per head        row_dot epilogue
+    6     pv = P . v_rep per (batch, head), into [T, heads * d] rows         batched
+          g_ao = g_attn . Wo, D = rowsum(g_ao * pv) per (token, head)        row_dot epilogue
     7     grad_o_weight = g_attn^T . attn_output                             plain
     8     g_s = P * (g_ao . v_rep^T - D) / sqrt(d) per (batch, head)         batched, softmax_bwd
     9     dq = inverse RoPE of g_s . k_rep, into dq's head view              batched, rope_inverse
@@ -21,6 +22,11 @@ lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
     13    grad_q/k/v_weight = [dq; dk; dv]^T . attn_input                    grouped
     14    grad_input = bf16(g_attn + rms_dx(g_ai * w1, residual, rstd1)) and row kernel
           grad_input_ln_weight
+
+D is the contract's rowsum(P * g_p) per score row, which equals rowsum(g_ao * (P . v)) per
+(token, head) because g_p = g_ao . v^T: one more batched product (as cheap as g_p's) instead of
+a reduction across the score tiles. attn_output cannot stand in for P . v: the benchmark's
+inputs are independent draws.
 
 Where this first version leaves the plan (each measured in the closing notes, none hidden):
 - g_ffn and g_ai are fp32 [T, H]: the norm-weight gradients are fp32 sums over T rows of
@@ -120,16 +126,20 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
                                             grad_post_attn_ln_weight)
     del g_ffn
     # 6-7: the output projection; D per (token, head) for the softmax backward.
+    probs = _tma_rows(attn_weights)
+    pv = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)
+    matmul_nt_batched(probs, value_states_repeated.transpose(-1, -2), out=heads(pv))
     g_ao = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)
     d_rows = torch.empty(tokens, q_heads, dtype=fp32, device=device)
-    matmul_nt(flat(g_attn), o_weight.t(), out=g_ao, epilogue="row_dot", inputs=(flat(attn_output),), rows=d_rows)
+    matmul_nt(flat(g_attn), o_weight.t(), out=g_ao, epilogue="row_dot", inputs=(pv,), rows=d_rows)
+    del pv
     matmul_nt(flat(g_attn).t(), flat(attn_output).t(), out=grad_o_weight)
     # 8: g_s per (batch, head), rows padded to TMA's stride granule.
-    probs = _tma_rows(attn_weights)
     g_s = _padded_scores(batch, q_heads, seq, device)
-    matmul_nt_batched(heads(g_ao), value_states_repeated, out=g_s,
-                      epilogue="softmax_bwd", inputs=(probs,),
-                      rows=d_rows.view(batch, seq, q_heads).transpose(1, 2).contiguous(), alpha=1 / math.sqrt(head_dim))
+    d_heads = torch.empty(batch, q_heads, seq, dtype=fp32, device=device)  # unit stride along s, as read
+    d_heads.copy_(d_rows.view(batch, seq, q_heads).transpose(1, 2))
+    matmul_nt_batched(heads(g_ao), value_states_repeated, out=g_s, epilogue="softmax_bwd", inputs=(probs,),
+                      rows=d_heads, alpha=1 / math.sqrt(head_dim))
     # 9-11: dq, dk, dv, each into its [T, heads * d] rows through the head view.
     tables = tuple(t.unsqueeze(1).expand(batch, q_heads, seq, head_dim) for t in (cos, sin))
     dq = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)

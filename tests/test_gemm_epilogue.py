@@ -140,13 +140,14 @@ def test_per_row_tensor_shapes_and_strides_are_checked():
 
 
 def _row_dot_case(m, heads, k, seed, head_dim=160):
-    """056's g_ao = g_attn . Wo ([T, H] . [H, heads * d]) with D = rowsum(g_ao * attn_output)
-    per head: operands, attn_output, and the fp32 references."""
+    """056's g_ao = g_attn . Wo ([T, H] . [H, heads * d]) with D = rowsum(g_ao * x) per head:
+    operands, x, and the fp32 references (D from g_ao as stored, bf16)."""
     n = heads * head_dim
     g_attn, wo_t, g = _operands(m, n, k, seed)
-    attn_output = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
     g_ao = g_attn.float() @ wo_t.float().t()
-    return g_attn, wo_t, attn_output, g_ao, (g_ao * attn_output.float()).view(m, heads, head_dim).sum(-1)
+    stored = g_ao.bfloat16().float()
+    return g_attn, wo_t, x, g_ao, (stored * x.float()).view(m, heads, head_dim).sum(-1)
 
 
 @pytest.mark.gpu
@@ -172,7 +173,7 @@ def test_row_dot_groups_pick_the_tile_width_and_repeat_bitwise():
         first = matmul_nt(g_attn, w_t, rows=sums, epilogue="row_dot", inputs=(x,))[1].clone()
         matmul_nt(g_attn, w_t, rows=sums, epilogue="row_dot", inputs=(x,))
         assert torch.equal(first, sums)
-        assert _close(sums, (want * x.float()).view(256, groups, -1).sum(-1), 1e-4)
+        assert _close(sums, (want.bfloat16().float() * x.float()).view(256, groups, -1).sum(-1), 1e-4)
     with pytest.raises(ValueError, match="tile_n must be the column group"):
         matmul_nt(g_attn, w_t, rows=torch.empty(256, 4, device="cuda"), epilogue="row_dot", inputs=(x,),
                   tiling=GemmTiling(tile_n=256))
