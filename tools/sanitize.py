@@ -51,7 +51,7 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue
             x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
             sums = torch.empty(m, n // 160, device="cuda")
             got = matmul_nt(a, b, rows=sums, epilogue="row_dot", inputs=(x,), tiling=picked, stream_k=stream_k)
-            stored = product.bfloat16().float()  # row_dot sums C as stored
+            stored = got[0].float()  # row_dot sums C as stored
             assert_parity(["c", "row_sums"], list(got), [product, (stored * x.float()).view(m, -1, 160).sum(-1)],
                           [c_dtype, torch.float32])
         elif epilogue == "rope_inverse":  # n / 160 heads of 160 columns
