@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 
+from ..layouts.gemm import GemmTiling
 from . import rmsnorm_backward
 from .gemm import matmul_nt
 from .gemm_batched import matmul_nt_batched
@@ -59,6 +60,16 @@ INPUTS = (
 OUTPUTS = ("grad_input", "grad_input_ln_weight", "grad_q_weight", "grad_k_weight", "grad_v_weight",
            "grad_o_weight", "grad_post_attn_ln_weight", "grad_gate_weight", "grad_up_weight", "grad_down_weight")
 TMA_STRIDE = 8  # bf16 elements in 16 bytes: TMA's stride granule
+# The FFN's dSwiGLU and summed products up to this many tokens take FFN_TILINGS' picks instead of
+# the GEMM core's rules (fitted at 2048 and 8192). Session 16 sweep on the H200 at 256 / 613 /
+# 1382 tokens, ms per product: dSwiGLU 128x256c2x1 0.086 / 0.213 / 0.375 against the rules'
+# pingpong 128x128c2x1 0.088 / 0.259 / 0.427 (128x128 pingpong without a cluster 0.132 / 0.209 /
+# 0.388); summed g_ffn 128x128c2x1 0.167 at 256 and 128x256c2x1 0.320 / 0.689 at 613 / 1382
+# against the rules' 128x160c2x1 0.197 / 0.390 / 0.734. (cuBLAS for the same products: go . Wd
+# 0.068 / 0.166 / 0.267, gate . Wg + up . Wu 0.139 / 0.270 / 0.529: at these sizes the GEMM core
+# itself is the gap.)
+FFN_TILINGS_MAX_TOKENS = 1536
+WIDE = GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
 
 _checked: set = set()  # (b, s, dims, device) whose full argument check has passed once
 
@@ -112,11 +123,13 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
         heads(into).copy_(per_q_head.view(batch, kv_heads, q_heads // kv_heads, seq, head_dim).sum(2))
 
     go = flat(grad_output)
+    dswiglu_tiling, summed_tiling = _ffn_tilings(tokens)
     # 1-4: the SwiGLU FFN.
-    g_gate, g_up = matmul_nt(go, down_weight.t(), epilogue="dswiglu",
-                             inputs=(flat(gate), flat(up), flat(silu_up)))
+    g_gate, g_up = matmul_nt(go, down_weight.t(), epilogue="dswiglu", inputs=(flat(gate), flat(up), flat(silu_up)),
+                             tiling=dswiglu_tiling)
     matmul_nt(go.t(), flat(swiglu_output).t(), out=grad_down_weight)
-    g_ffn = matmul_nt_summed([(g_gate, gate_weight.t()), (g_up, up_weight.t())], out_dtype=fp32)
+    g_ffn = matmul_nt_summed([(g_gate, gate_weight.t()), (g_up, up_weight.t())], out_dtype=fp32,
+                             tiling=summed_tiling)
     matmul_nt_grouped([g_gate.t(), g_up.t()], flat(ffn_input).t(), outs=(grad_gate_weight, grad_up_weight))
     del g_gate, g_up
     # 5: the post-attention norm; residual2's gradient also carries go straight through.
@@ -162,6 +175,14 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
                                             variance1, eps, input_ln_weight, g_attn, grad_input,
                                             grad_input_ln_weight)
     return outs
+
+
+def _ffn_tilings(tokens: int):
+    """(dSwiGLU product, summed g_ffn product) tilings; None: the GEMM core's rules (also at 128
+    tokens or fewer, where they pick short-M tilings; not swept here)."""
+    if tokens > FFN_TILINGS_MAX_TOKENS or tokens <= 128:
+        return None, None
+    return WIDE, GemmTiling(tile_m=128, tile_n=128, cluster_m=2) if tokens <= 384 else WIDE
 
 
 def _tma_rows(scores):
