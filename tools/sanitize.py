@@ -184,6 +184,9 @@ CASES = {
     "013 two launches, normalized=None": _problem_case("fused_residual_rmsnorm_backward", 2, 211,
                                                        without_normalized=True, consistent=True),
     "051": _problem_case("qkv_qknorm_backward", 2, 131),
+    # 37 tokens a sequence: attn_weights copied into padded rows; four query heads over two kv heads
+    "056": _problem_case("decoder_layer_backward", 2, 37, dims={"hidden": 256, "q_heads": 4, "kv_heads": 2,
+                                                               "head_dim": 32, "intermediate": 320}),
     "051 head_dim 128": _problem_case("qkv_qknorm_backward", 3, 37,
                                       dims={"head_dim": 128, "q_heads": 2, "hidden": 648}),
     "087": _problem_case("embedding_rmsnorm_backward", 2, 300, dims={"vocab": 97, "hidden": 2560},
