@@ -43,24 +43,17 @@ from __future__ import annotations
 import math
 
 from ..layouts.gemm import GemmTiling
+from ..references import decoder_layer as contract
 from . import rmsnorm_backward
 from .gemm import matmul_nt
 from .gemm_batched import matmul_nt_batched
 from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
 
-# Inputs in signature order (semantics.md), and which are [b, s, *] token rows.
-INPUTS = (
-    "grad_output", "residual", "attn_input", "query_states", "key_states", "value_states",
-    "query_states_rotated", "key_states_rotated", "key_states_repeated", "value_states_repeated",
-    "cos", "sin", "attn_weights", "attn_output", "residual2", "ffn_input", "gate", "up", "silu_up",
-    "swiglu_output", "input_ln_weight", "q_weight", "k_weight", "v_weight", "o_weight",
-    "post_attn_ln_weight", "gate_weight", "up_weight", "down_weight", "variance1", "variance2",
-    "hidden_states_normalized1", "hidden_states_normalized2",
-)  # fmt: skip
-OUTPUTS = ("grad_input", "grad_input_ln_weight", "grad_q_weight", "grad_k_weight", "grad_v_weight",
-           "grad_o_weight", "grad_post_attn_ln_weight", "grad_gate_weight", "grad_up_weight", "grad_down_weight")
+# The contract's tensor inputs in signature order (eps follows them) and its outputs.
+INPUTS = contract.INPUTS[:-1]
+OUTPUTS = contract.OUTPUTS
 TMA_STRIDE = 8  # bf16 elements in 16 bytes: TMA's stride granule
-# The FFN's dSwiGLU and summed products up to this many tokens take FFN_TILINGS' picks instead of
+# The FFN's dSwiGLU and summed products up to this many tokens take _ffn_tilings' picks instead of
 # the GEMM core's rules (fitted at 2048 and 8192). Session 16 sweep on the H200 at 256 / 613 /
 # 1382 tokens, ms per product: dSwiGLU 128x256c2x1 0.086 / 0.213 / 0.375 against the rules'
 # pingpong 128x128c2x1 0.088 / 0.259 / 0.427 (128x128 pingpong without a cluster 0.132 / 0.209 /
@@ -89,8 +82,6 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
     products are (the GEMM core's fixed-order stream-K). Intermediates come from PyTorch's
     caching allocator; head_dim must be a multiple of 32 (the inverse RoPE's tiles), every
     width a multiple of 8."""
-    import torch
-
     args = dict(zip(INPUTS, (
         grad_output, residual, attn_input, query_states, key_states, value_states, query_states_rotated,
         key_states_rotated, key_states_repeated, value_states_repeated, cos, sin, attn_weights, attn_output,
@@ -98,11 +89,28 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
         o_weight, post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1, variance2,
         hidden_states_normalized1, hidden_states_normalized2)))
     dims = _dims(args)
-    if dims not in _checked:
+    first = dims not in _checked  # the full checks run on a shape's first call and to explain an error
+    if first:
         _check_inputs(args, eps, dims)
-        _checked.add(dims)
-    batch, seq, hidden, head_dim, q_heads, kv_heads, inter, _ = dims
-    outs = _outputs(out, args, hidden)
+    outs = _outputs(out, args, dims[2], check=first)
+    _checked.add(dims)
+    try:
+        return _backward(args, eps, dims, outs)
+    except Exception:
+        _check_inputs(args, eps, dims)  # a kernel's C entry point refused an argument: say which, in our words
+        _outputs(out, args, dims[2], check=True)
+        raise
+
+
+def _backward(args, eps, dims, outs):
+    """The fourteen steps on checked arguments."""
+    import torch
+
+    (grad_output, residual, attn_input, _, _, _, query_states_rotated, _, key_states_repeated, value_states_repeated,
+     cos, sin, attn_weights, attn_output, residual2, ffn_input, gate, up, silu_up, swiglu_output, input_ln_weight,
+     q_weight, k_weight, v_weight, o_weight, post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1,
+     variance2, hidden_states_normalized1, hidden_states_normalized2) = args.values()
+    batch, seq, hidden, head_dim, q_heads, kv_heads, _, _ = dims
     (grad_input, grad_input_ln_weight, grad_q_weight, grad_k_weight, grad_v_weight, grad_o_weight,
      grad_post_attn_ln_weight, grad_gate_weight, grad_up_weight, grad_down_weight) = outs
     tokens = batch * seq
@@ -276,9 +284,9 @@ def _flattens(t) -> bool:
     return True
 
 
-def _outputs(out, args, hidden):
-    """The caller's ten outputs, checked, or new ones (bf16 like their tensors, fp32 norm-weight
-    gradients)."""
+def _outputs(out, args, hidden, check: bool = True):
+    """The caller's ten outputs (checked with `check`; otherwise the kernels' C entry points
+    check what they write), or new ones (bf16 like their tensors, fp32 norm-weight gradients)."""
     import torch
 
     from .checks import check_same_device, check_tensor
@@ -290,6 +298,8 @@ def _outputs(out, args, hidden):
                      else torch.empty_like(t, memory_format=torch.contiguous_format) for t in like)
     if not isinstance(out, (tuple, list)) or len(out) != len(OUTPUTS):
         raise ValueError(f"out: a tuple of the ten outputs {OUTPUTS}")
+    if not check:
+        return tuple(out)
     for name, t, model in zip(OUTPUTS, out, like):
         shape = (hidden,) if model is None else tuple(model.shape)
         check_tensor(f"out[{name}]", t, dtypes=torch.float32 if model is None else torch.bfloat16, shape=shape)
