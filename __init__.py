@@ -11,6 +11,8 @@ import, and `cutebwd.references` needs none of it):
     cutebwd.qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight,
                                 q_norm_weight, k_norm_weight, query_transposed, key_transposed, q_rstd,
                                 k_rstd, q_normed, k_normed, rms_norm_eps=1e-6, *, out=None)
+    cutebwd.decoder_layer_backward(grad_output, residual, attn_input, ..., hidden_states_normalized2, eps,
+                                   *, out=None)   the 34 inputs of semantics.md's L2/056, in order
     cutebwd.ResidualRMSNorm(hidden, eps=1e-6)     autograd module, 013's kernel as its backward
 
 `import cutebwd.kernels.torch_ops` registers the ops as torch.ops.cutebwd.* custom operators
@@ -27,6 +29,7 @@ _OPS = {
     "fused_residual_rmsnorm_backward": "cutebwd.kernels.rmsnorm_backward",
     "embedding_rmsnorm_backward": "cutebwd.kernels.embedding_backward",
     "qkv_qknorm_backward": "cutebwd.kernels.qkv_qknorm_backward",
+    "decoder_layer_backward": "cutebwd.kernels.decoder_layer_backward",
     "ResidualRMSNorm": "cutebwd.kernels.torch_ops",
 }
 

@@ -27,6 +27,10 @@ from .epilogue import ADD, KINDS, STORE, Epilogue, check_epilogue_tensors
 from .rows import VECTOR, wide_copy  # a partial tile moves VECTOR fp32 accumulators per 16-byte access
 
 C_DTYPES = {"bfloat16": BFloat16, "float32": Float32}
+# The kernels' epilogue arguments (in0, in1, in2, out1): up to three [M, N] inputs (dswiglu's
+# gate, up and silu_up) and a second output; products without an epilogue pass none.
+EPILOGUE_INPUTS = 3
+NO_EPILOGUE_TENSORS = (None,) * (EPILOGUE_INPUTS + 1)
 
 
 def batch_last(t, matrix_rank: int = 2):
@@ -43,9 +47,9 @@ def batch_last(t, matrix_rank: int = 2):
 
 def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE,
                    products: int = 1, stack: str = "m", batched: bool = False):
-    """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, out1):
+    """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, in2, out1):
     M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
-    tiling shares its build. in0, in1 (the epilogue's inputs) and out1 (its second output) are
+    tiling shares its build. in0..in2 (the epilogue's inputs) and out1 (its second output) are
     bf16 [M, N] with unit column stride, or None where the epilogue has none; an epilogue with
     a per-row tensor (Epilogue.rows) takes it as out1 (fp32 [M, groups] or [M]), one with
     tables (Epilogue.tables) takes them as in0, in1 (bf16 [M, d]). `batched`: every tensor has
@@ -74,7 +78,7 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     slots, tile_elements = cute.sym_int32(), tiling.tile_m * tiling.tile_n
     partials = runtime.fake_tensor(Float32, (slots, tile_elements), (tile_elements, 1), 16)
     flags = runtime.fake_tensor(Int32, (slots,), (1,), 4)
-    inputs = [mn_tensor() for _ in epilogue.inputs] + [None] * (2 - len(epilogue.inputs))
+    inputs = [mn_tensor() for _ in epilogue.inputs] + [None] * (EPILOGUE_INPUTS - len(epilogue.inputs))
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
     if epilogue.row_sums:  # fp32 [M, groups] row sums, written by plain stores
         out1 = tensor(Float32, (m, cute.sym_int32()), (cute.sym_int64(), 1), 4, aligned_batches=False)
@@ -83,6 +87,7 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     if epilogue.tables:  # bf16 [M, d] tables, read by plain (4-byte) loads
         d = cute.sym_int32()
         inputs = [tensor(BFloat16, (m, d), (cute.sym_int64(divisibility=8), 1), 16) for _ in epilogue.tables]
+        inputs += [None] * (EPILOGUE_INPUTS - len(inputs))
     schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
     if products > 1 and stack == "k":
         ks = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
@@ -153,7 +158,7 @@ class SummedEntry:
         if cutlass.const_expr(a2 is not None):
             a_terms.append(a2)
             b_terms.append(b2)
-        self._launch(a_terms, b_terms, [c], partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
+        self._launch(a_terms, b_terms, [c], partials, flags, ctas, dp_tiles, sk_per, NO_EPILOGUE_TENSORS, stream)
 
 
 class GroupedEntry:
@@ -168,7 +173,7 @@ class GroupedEntry:
         if cutlass.const_expr(a2 is not None):
             a_groups.append(a2)
             c_groups.append(c2)
-        self._launch(a_groups, [b], c_groups, partials, flags, ctas, dp_tiles, sk_per, (None, None, None), stream)
+        self._launch(a_groups, [b], c_groups, partials, flags, ctas, dp_tiles, sk_per, NO_EPILOGUE_TENSORS, stream)
 
 
 # -- device-side schedule ----------------------------------------------------------------
@@ -598,7 +603,7 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     bitwise repeatable either way.
 
     epilogue (kernels.epilogue, bf16 out only): "store" (out = A . B^T); "add" (out += A . B^T,
-    out required); "dswiglu" (inputs=(gate, up), bf16 [M, N]: out = grad_gate, out2 = grad_up,
+    out required); "dswiglu" (inputs=(gate, up, silu_up), bf16 [M, N]: out = grad_gate, out2 = grad_up,
     allocated when not given; returns (out, out2)); "row_dot" (inputs=(x,), bf16 [M, N]: out =
     A . B^T, and `rows`, fp32 [M, G], required: rows[i, j] = sum over the j-th group of N / G
     columns of the fp32 product times x, e.g. per attention head; the tiles are N / G wide;
@@ -651,17 +656,17 @@ def run_call(call, a, b, out, epilogue: str, inputs, out2, rows, alpha, explain)
 
 
 def epilogue_arguments(epilogue: str, out, inputs, out2, rows):
-    """The kernel's (in0, in1, out1) for an epilogue (see fake_arguments): `add` reads C, tables
-    ride as inputs, and a per-row tensor takes the second output's place."""
+    """The kernel's (in0, in1, in2, out1) for an epilogue (see fake_arguments): `add` reads C,
+    tables ride as inputs, and a per-row tensor takes the second output's place."""
     if epilogue == "store":
-        return None, None, None
+        return NO_EPILOGUE_TENSORS
     if epilogue == "add":
-        return out, None, None
+        return out, None, None, None
     if epilogue == "dswiglu":
         return *inputs, out2
     if epilogue == "rope_inverse":
-        return *inputs, None
-    return *inputs, None, rows  # row_dot, softmax_bwd: one input and the per-row tensor
+        return *inputs, None, None
+    return *inputs, None, None, rows  # row_dot, softmax_bwd: one input and the per-row tensor
 
 
 def _empty_k(epilogue, out, out2, inputs, rows, alpha):

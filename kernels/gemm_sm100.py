@@ -86,16 +86,16 @@ class Sm100Gemm:
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor,
                  ctas: Int32, dp_tiles: Int32, sk_per: Int32, in0: cute.Tensor | None, in1: cute.Tensor | None,
-                 out1: cute.Tensor | None, stream: cuda.CUstream):
+                 in2: cute.Tensor | None, out1: cute.Tensor | None, stream: cuda.CUstream):
         """The same arguments as the Hopper kernel (gemm.fake_arguments)."""
-        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
+        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, in2, out1), stream)
 
     def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
                 side_args=None, prologue_args=None, arrivals=None, grid=None):
         """The launch for one product, a group sharing B (Sm100GroupedGemm) or a sum of products
         into one C (Sm100SummedGemm); the prologue's arguments as Sm90Gemm._launch's."""
         t = self.tiling
-        in0, in1, out1 = extras
+        in0, in1, in2, out1 = extras
         # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
         self.batched = cute.rank(c_groups[0].layout) == 4
         a, b, c = batch_last(a_groups[0]), batch_last(b_groups[0]), batch_last(c_groups[0])
@@ -146,7 +146,7 @@ class Sm100Gemm:
                 side = (batch_last(in0), batch_last(in1))
             if cutlass.const_expr(self.epilogue.tables):
                 in0 = in1 = None
-        for x in (in0, in1, out1):
+        for x in (in0, in1, in2, out1):
             if cutlass.const_expr(x is not None):
                 fused += (*piece(store if x is out1 else load, batch_last(x)),)
         # bytes landing in one stage of the ring per MMA tile (both CTAs of a pair)

@@ -98,12 +98,12 @@ class Sm90Gemm:
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, partials: cute.Tensor, flags: cute.Tensor,
                  ctas: Int32, dp_tiles: Int32, sk_per: Int32, in0: cute.Tensor | None, in1: cute.Tensor | None,
-                 out1: cute.Tensor | None, stream: cuda.CUstream):
+                 in2: cute.Tensor | None, out1: cute.Tensor | None, stream: cuda.CUstream):
         """`ctas` persistent CTAs; tiles past `dp_tiles` go stream-K, `sk_per` k-iterations per
         CTA (layouts.gemm.stream_k_plan), their partial tiles through `partials` [ctas, tile
-        elements] and the ready `flags` [ctas] (zero between calls). in0, in1, out1: the
+        elements] and the ready `flags` [ctas] (zero between calls). in0..in2, out1: the
         epilogue's [M, N] inputs and second output (None where it has none)."""
-        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, out1), stream)
+        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, in2, out1), stream)
 
     def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
                 side_args=None, prologue_args=None, arrivals=None, grid=None):
@@ -112,7 +112,7 @@ class Sm90Gemm:
         With a prologue: its arguments, the grid barrier's `arrivals` and the `grid` (CTAs, a
         whole number of clusters that the device holds at once, at least `ctas`)."""
         t = self.tiling
-        in0, in1, out1 = extras
+        in0, in1, in2, out1 = extras
         # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
         self.batched = cute.rank(c_groups[0].layout) == 4
         b = batch_last(b_groups[0])
@@ -152,7 +152,7 @@ class Sm90Gemm:
         # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
         # stores, all through the pieces of C's shared memory (staging_buffers).
         fused = ()
-        for x in (in0, in1, out1):
+        for x in (in0, in1, in2, out1):
             if cutlass.const_expr(x is not None):
                 fused += (*piece(store if x is out1 else load, batch_last(x)),)
         # The other products of a group: their A and C (a sum: their A and B), by TMA like the first's.

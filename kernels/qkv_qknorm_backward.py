@@ -35,7 +35,7 @@ from cutlass import BFloat16, Float32, Int32
 from ..layouts.gemm import GemmTiling, default_tiling
 from . import runtime
 from .epilogue import STORE
-from .gemm import _ARCH_MODULES, _Call, _device_arch
+from .gemm import _ARCH_MODULES, NO_EPILOGUE_TENSORS, _Call, _device_arch
 from .gemm_grouped import stacked_k, stacked_rows
 from .column_sum import ColumnSumsInWarps
 from .qk_norm_rows import MAX_HEAD_DIM, VECTOR, QkNormBackward
@@ -99,12 +99,12 @@ class QkvQkNormBackward:
         x = rows(hidden, tokens, width, width)
         self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
                             [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas,
-                            sum_dp_tiles, sum_per, (None, None, None), stream,
+                            sum_dp_tiles, sum_per, NO_EPILOGUE_TENSORS, stream,
                             side_args=(partial_rows, grad_weight_q, grad_weight_k), prologue_args=prologue,
                             arrivals=arrivals, grid=grid)
         self.grouped._launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
                              [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
-                             group_per, (None, None, None), stream)
+                             group_per, NO_EPILOGUE_TENSORS, stream)
 
 
 def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling):

@@ -28,6 +28,8 @@ flag per CTA rank), which adds them after its own: a fixed order again.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -60,14 +62,33 @@ ONE_CLUSTER_RING_BYTES = 192 * 1024
 ONE_CLUSTER_STAGES = 8
 
 
+@dataclasses.dataclass(frozen=True)
+class RowForm:
+    """What a row pass reads and writes besides the norm's math: 013's form by default. 056's
+    two norms (kernels.decoder_layer_backward) take the gradient in fp32 (a product's output),
+    x and the weight in bf16, rstd as rsqrt(variance + eps), and add the residual branch's bf16
+    gradient into their one output: out = bf16(residual_grad + dx)."""
+    grad: type = BFloat16
+    x: type = Float32
+    weight: type = Float32
+    from_variance: bool = False
+    residual_grad: bool = False
+
+    def key(self) -> tuple:
+        """The build key's part: 013's builds keep their old keys."""
+        return () if self == RowForm() else (self.grad.__name__, self.x.__name__, self.weight.__name__,
+                                             self.from_variance, self.residual_grad)
+
+
 class FusedResidualRmsNormBackward:
-    def __init__(self, hidden: int, read_normalized: bool, clusters: int = 0):
+    def __init__(self, hidden: int, read_normalized: bool, clusters: int = 0, form: RowForm = RowForm()):
         """clusters: 0 for the grid path (row kernel + column sum), 1 or 2 for one launch of
-        that many 16-CTA clusters."""
+        that many 16-CTA clusters (013's form only)."""
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden = hidden
         self.read_normalized = read_normalized
+        self.form = form
         self.clustered = clusters > 0  # the one-launch path: CTAs in clusters, sums across them
         self.clusters = clusters
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
@@ -75,9 +96,14 @@ class FusedResidualRmsNormBackward:
         # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
         # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a
         # row: no ring.
-        row_bytes = hidden * (2 + 4 + (4 if read_normalized else 0))
+        row_bytes = hidden * (form.grad.width // 8 + form.x.width // 8 + (4 if read_normalized else 0)
+                              + (2 if form.residual_grad else 0))
         self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not self.clustered else \
             ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES - 4 * hidden, ONE_CLUSTER_STAGES)
+        if form.residual_grad:
+            # 056's rows (H = 5120: 256 threads of ~180 registers) leave one CTA per SM, so the
+            # ring may take most of the shared memory, as on the one-launch path.
+            self.stages = ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES, MAX_STAGES)
         # rstd through the ring as well, where there is one: with one CTA per SM an exposed rstd
         # load per row set the one-cluster path's pace (12.2 -> 9.3 us at 128 rows); on the grid
         # path it cost up to 7% (normalized=None, 8192 rows), four CTAs per SM hiding that load.
@@ -87,18 +113,25 @@ class FusedResidualRmsNormBackward:
     @cute.jit
     def __call__(self, grad_output: cute.Tensor, x: cute.Tensor, normalized: cute.Tensor | None,
                  rstd: cute.Tensor, weight: cute.Tensor, grad_hidden: cute.Tensor,
-                 grad_residual: cute.Tensor, grad_weight: cute.Tensor, workspace: cute.Tensor,
-                 ctas: Int32, stream: cuda.CUstream):
+                 grad_residual: cute.Tensor | None, grad_weight: cute.Tensor, workspace: cute.Tensor,
+                 ctas: Int32, residual_grad: cute.Tensor | None, eps: Float32 | None, stream: cuda.CUstream):
         """Both launches in one host function, so one FFI call: the row kernel writes `ctas`
-        partial rows of `workspace`, the column sum adds them into grad_weight."""
+        partial rows of `workspace`, the column sum adds them into grad_weight. 056's form:
+        `rstd` holds the variance, `eps` is given, grad_residual is None and `residual_grad`
+        is added into grad_hidden; 013's passes None for both."""
         # normalized=None: the kernel never reads it (read_normalized is False); x stands in.
         m_norm = rows_view(x)
         if cutlass.const_expr(normalized is not None):
             m_norm = rows_view(normalized)
         partials = cute.make_tensor(workspace.iterator, cute.make_layout(
             (ctas, self.hidden), stride=(cute.assume(workspace.stride[0], divby=VECTOR), 1)))
+        m_gr, m_add = None, None
+        if cutlass.const_expr(grad_residual is not None):
+            m_gr = rows_view(grad_residual)
+        if cutlass.const_expr(residual_grad is not None):
+            m_add = rows_view(residual_grad)
         self.kernel(rows_view(grad_output), rows_view(x), m_norm, rows_view(rstd)[None, 0], weight,
-                    rows_view(grad_hidden), rows_view(grad_residual), partials, None).launch(
+                    rows_view(grad_hidden), m_gr, partials, None, m_add, eps).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
         self.column_sum(partials, grad_weight, stream)
 
@@ -114,13 +147,13 @@ class FusedResidualRmsNormBackward:
         if cutlass.const_expr(normalized is not None):
             m_norm = rows_view(normalized)
         self.kernel(rows_view(grad_output), rows_view(x), m_norm, rows_view(rstd)[None, 0], weight,
-                    rows_view(grad_hidden), rows_view(grad_residual), grad_weight, handoff).launch(
+                    rows_view(grad_hidden), rows_view(grad_residual), grad_weight, handoff, None, None).launch(
             grid=[ONE_CLUSTER * self.clusters, 1, 1], block=[self.threads, 1, 1], cluster=[ONE_CLUSTER, 1, 1],
             stream=stream)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_norm: cute.Tensor, m_rstd: cute.Tensor,
-               m_w: cute.Tensor, m_gh: cute.Tensor, m_gr: cute.Tensor, m_part: cute.Tensor, m_handoff):
+               m_w: cute.Tensor, m_gh: cute.Tensor, m_gr, m_part: cute.Tensor, m_handoff, m_add, eps):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -134,6 +167,8 @@ class FusedResidualRmsNormBackward:
         load_bf16, load_f32 = wide_copy(BFloat16), wide_copy(Float32)
         # Inputs of a row, in the order fetch_row/read_row take them.
         sources = (m_go, m_x, m_norm) if cutlass.const_expr(self.read_normalized) else (m_go, m_x)
+        if cutlass.const_expr(self.form.residual_grad):
+            sources = (*sources, m_add)
 
         weight = cute.make_rmem_tensor((VECTOR, vpt), Float32)
         grad_weight = cute.make_rmem_tensor((VECTOR, vpt), Float32)
@@ -142,12 +177,14 @@ class FusedResidualRmsNormBackward:
         ns = cute.make_rmem_tensor((VECTOR, vpt), Float32)
         staging_bf16 = cute.make_rmem_tensor((VECTOR,), BFloat16)
         staging_f32 = cute.make_rmem_tensor((VECTOR,), Float32)
-        for t in (grad_weight, weight, g, xs, ns):
+        adds = cute.make_rmem_tensor((VECTOR, vpt), Float32)
+        # Registers for `sources`, in their order.
+        values = (g, xs, ns) if cutlass.const_expr(self.read_normalized) else (g, xs)
+        if cutlass.const_expr(self.form.residual_grad):
+            values = (*values, adds)
+        for t in (grad_weight, weight, g, xs, ns, adds):
             t.fill(0.0)
-        for k in cutlass.range_constexpr(vpt):
-            if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
-                cute.copy(load_f32, vector(m_w, tidx + k * threads), staging_f32)
-                weight[None, k].store(staging_f32.load())
+        read_row((load_bf16, load_f32), (m_w,), (weight,), tidx, threads, vpt, h // VECTOR)
 
         if cutlass.const_expr(self.stages > 0):
             # Ring in shared memory: rows it + 1 .. it + S - 1 stream in (cp.async) while row it is
@@ -167,7 +204,9 @@ class FusedResidualRmsNormBackward:
 
         for it in cutlass.range(0, my_rows):
             row = bidx + it * ctas
-            if cutlass.const_expr(not self.rstd_in_ring):
+            if cutlass.const_expr(self.form.from_variance):
+                rstd = cute.math.rsqrt(m_rstd[row] + eps)
+            elif cutlass.const_expr(not self.rstd_in_ring):
                 rstd = m_rstd[row]
             if cutlass.const_expr(self.stages > 0):
                 # The slot refilled here held row it - 1, which this thread has already read.
@@ -178,10 +217,10 @@ class FusedResidualRmsNormBackward:
                 cute.arch.cp_async_wait_group(ring - 1)  # this row's group has landed
                 if cutlass.const_expr(self.rstd_in_ring):
                     rstd = rstd_ring[tidx, it % ring]
-                read_row((load_bf16, load_f32), tuple(s[None, it % ring] for s in stages), (g, xs, ns),
+                read_row((load_bf16, load_f32), tuple(s[None, it % ring] for s in stages), values,
                           tidx, threads, vpt, h // VECTOR)
             else:
-                read_row((load_bf16, load_f32), tuple(s[row, None] for s in sources), (g, xs, ns),
+                read_row((load_bf16, load_f32), tuple(s[row, None] for s in sources), values,
                           tidx, threads, vpt, h // VECTOR)
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
@@ -196,10 +235,13 @@ class FusedResidualRmsNormBackward:
             for k in cutlass.range_constexpr(vpt):
                 if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
                     gk, xk = g[None, k].load(), xs[None, k].load()
-                    dx = (rstd * (gk * weight[None, k].load() - xk * scale)).to(BFloat16)
-                    staging_bf16.store(dx)
+                    dx = rstd * (gk * weight[None, k].load() - xk * scale)
+                    if cutlass.const_expr(self.form.residual_grad):
+                        dx = dx + adds[None, k].load()
+                    staging_bf16.store(dx.to(BFloat16))
                     cute.copy(load_bf16, staging_bf16, vector(m_gh[row, None], tidx + k * threads))
-                    cute.copy(load_bf16, staging_bf16, vector(m_gr[row, None], tidx + k * threads))
+                    if cutlass.const_expr(m_gr is not None):
+                        cute.copy(load_bf16, staging_bf16, vector(m_gr[row, None], tidx + k * threads))
 
         if cutlass.const_expr(self.clustered):
             self.add_across_clusters(grad_weight, m_part, m_handoff, smem, tidx, bidx)
@@ -287,32 +329,37 @@ class FusedResidualRmsNormBackward:
 GRID_CTAS_PER_SM = {True: 2.5, False: 3.5}
 
 
-def _fake_args(hidden: int, read_normalized: bool, clusters: int = 0):
+def _fake_args(hidden: int, read_normalized: bool, clusters: int = 0, form: RowForm = RowForm()):
     """Compile-time stand-ins for the call's tensors. batch and seq are shared symbols, so each
     call checks in C that every [b, s, ...] tensor agrees; strides are free (multiples of VECTOR
     elements, so every row start is vector aligned); H is static."""
     batch, seq, workspace_rows = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     rows_of = lambda dtype: fake_rows(dtype, batch, seq, hidden)
     rstd = fake_rstd(batch, seq)
-    weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
+    weight = runtime.fake_tensor(form.weight, (hidden,), (1,), VECTOR * form.weight.width // 8)
+    grad_weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     normalized = rows_of(Float32) if read_normalized else None
-    tensors = (rows_of(BFloat16), rows_of(Float32), normalized, rstd, weight, rows_of(BFloat16),
-               rows_of(BFloat16), weight)
+    grad_residual = None if form.residual_grad else rows_of(BFloat16)
+    tensors = (rows_of(form.grad), rows_of(form.x), normalized, rstd, weight, rows_of(BFloat16),
+               grad_residual, grad_weight)
     if clusters == 0:
-        return (*tensors, workspace, Int32(1))
+        extras = (rows_of(BFloat16), Float32(0.0)) if form.residual_grad else (None, None)
+        assert form.residual_grad == form.from_variance, "056's form has both, 013's neither"
+        return (*tensors, workspace, Int32(1), *extras)
     handoff = runtime.fake_tensor(Float32, (hidden + ONE_CLUSTER,), (1,), 16) if clusters == 2 else None
     return (*tensors, handoff)
 
 
-def _build(hidden: int, read_normalized: bool, arch: str, dump_dir=None, clusters: int = 0):
+def _build(hidden: int, read_normalized: bool, arch: str, dump_dir=None, clusters: int = 0,
+           form: RowForm = RowForm()):
     """The compiled op for one hidden size: row kernel + column sum in one host function, or
     with `clusters` (1 or 2) the one-launch path; batch, seq, strides and the CTA count are
     runtime values."""
-    op = FusedResidualRmsNormBackward(hidden, read_normalized, clusters)
+    op = FusedResidualRmsNormBackward(hidden, read_normalized, clusters, form)
     return runtime.compile_kernel(
-        ("fused_residual_rmsnorm_backward", hidden, read_normalized, clusters),
-        op.one_launch if clusters else op, *_fake_args(hidden, read_normalized, clusters),
+        ("fused_residual_rmsnorm_backward", hidden, read_normalized, clusters, *form.key()),
+        op.one_launch if clusters else op, *_fake_args(hidden, read_normalized, clusters, form),
         runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
@@ -433,13 +480,54 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
                                  entry.handoff.get() if entry.handoff else None)
         else:
             entry.run(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
-                      entry.workspace.get(), min(rows, entry.max_ctas))
+                      entry.workspace.get(), min(rows, entry.max_ctas), None, None)
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, x, normalized, rstd, weight)
         _check_out(out, x)
         raise
     return out
+
+
+# 056's two norms (decoder_layer_backward): the gradient is an fp32 product output, x and the
+# weight bf16, rstd from the variance, the residual branch's gradient added into one output.
+DECODER_FORM = RowForm(grad=Float32, x=BFloat16, weight=BFloat16, from_variance=True, residual_grad=True)
+
+
+class _FormEntry:
+    """A RowForm's grid path for one (hidden size, device), resolved once."""
+
+    def __init__(self, form: RowForm, hidden: int, device):
+        import torch
+
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_ctas = sms  # one CTA per SM fits (see FusedResidualRmsNormBackward's ring)
+        self.run = runtime.ffi_function(_build(hidden, True, runtime.device_arch(device.index), form=form))
+        self.workspace = runtime.StreamWorkspace(self.max_ctas, hidden, device)
+
+
+_form_entries: dict = {}
+
+
+def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, residual_grad, out, grad_weight):
+    """056's norm backward with its residual branch, one pass over the rows (DECODER_FORM):
+
+        out = bf16(residual_grad + rms_dx(grad * weight, x, rsqrt(variance + eps)))
+        grad_weight = sum over rows of grad * normalized
+
+    grad fp32, x bf16, normalized fp32, residual_grad and out bf16, all [b, s, H] (H a multiple
+    of 8, row starts 16-byte aligned); variance fp32 [b, s, 1]; weight bf16 [H]; grad_weight fp32
+    [H], bitwise repeatable (per-CTA partials added in a fixed order). The caller checks dtypes and
+    shapes; the C entry point checks them again with strides and alignment."""
+    batch, seq, hidden = x.shape
+    key = (hidden, x.get_device())
+    entry = _form_entries.get(key) or _form_entries.setdefault(key, _FormEntry(DECODER_FORM, hidden, x.device))
+    rows = batch * seq
+    if rows == 0:
+        grad_weight.zero_()
+        return
+    entry.run(grad, x, normalized, variance, weight, out, None, grad_weight, entry.workspace.get(),
+              min(rows, entry.max_ctas), residual_grad, eps)
 
 
 AUDIT_BUILDS = {
@@ -452,6 +540,8 @@ AUDIT_BUILDS.update({
         (lambda arch, dump_dir, h=h, rn=rn, c=c: _build(h, rn, arch, dump_dir, clusters=c))
     for h, rn in ((2560, True), (2560, False)) for c in (1, 2)
 })
+AUDIT_BUILDS["fused_residual_rmsnorm_backward[H=5120,056 form]"] = \
+    lambda arch, dump_dir: _build(5120, True, arch, dump_dir, form=DECODER_FORM)
 # Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no
 # local-memory spills, no atomics (grad_weight's order is fixed).
 # The one-cluster builds launch 16 CTAs per cluster (non-portable: the op asks the driver first).

@@ -131,3 +131,38 @@ class ResidualRMSNorm(torch.nn.Module):
             raise ValueError(f"ResidualRMSNorm: hidden_states and residual must be [b, s, H] of one shape, got "
                              f"{tuple(hidden_states.shape)} and {tuple(residual.shape)}")
         return _ResidualRMSNormFunction.apply(hidden_states, residual, self.weight, self.eps)
+
+
+@torch.library.custom_op(f"{_LIBRARY}::decoder_layer_backward", mutates_args=())
+def decoder_layer_backward(
+        grad_output: torch.Tensor, residual: torch.Tensor, attn_input: torch.Tensor, query_states: torch.Tensor,
+        key_states: torch.Tensor, value_states: torch.Tensor, query_states_rotated: torch.Tensor,
+        key_states_rotated: torch.Tensor, key_states_repeated: torch.Tensor, value_states_repeated: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, attn_weights: torch.Tensor, attn_output: torch.Tensor,
+        residual2: torch.Tensor, ffn_input: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, silu_up: torch.Tensor,
+        swiglu_output: torch.Tensor, input_ln_weight: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        v_weight: torch.Tensor, o_weight: torch.Tensor, post_attn_ln_weight: torch.Tensor, gate_weight: torch.Tensor,
+        up_weight: torch.Tensor, down_weight: torch.Tensor, variance1: torch.Tensor, variance2: torch.Tensor,
+        hidden_states_normalized1: torch.Tensor, hidden_states_normalized2: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """L2/056 -> its ten gradients; see kernels/decoder_layer_backward.py."""
+    from .decoder_layer_backward import decoder_layer_backward as op
+
+    return op(grad_output, residual, attn_input, query_states, key_states, value_states, query_states_rotated,
+              key_states_rotated, key_states_repeated, value_states_repeated, cos, sin, attn_weights, attn_output,
+              residual2, ffn_input, gate, up, silu_up, swiglu_output, input_ln_weight, q_weight, k_weight, v_weight,
+              o_weight, post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1, variance2,
+              hidden_states_normalized1, hidden_states_normalized2, eps)
+
+
+@decoder_layer_backward.register_fake
+def _(grad_output, residual, attn_input, query_states, key_states, value_states, query_states_rotated,
+      key_states_rotated, key_states_repeated, value_states_repeated, cos, sin, attn_weights, attn_output, residual2,
+      ffn_input, gate, up, silu_up, swiglu_output, input_ln_weight, q_weight, k_weight, v_weight, o_weight,
+      post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1, variance2, hidden_states_normalized1,
+      hidden_states_normalized2, eps):
+    from .decoder_layer_backward import INPUTS, _outputs
+
+    return _outputs(None, dict(zip(INPUTS, (grad_output, *(None,) * 20, q_weight, k_weight, v_weight, o_weight, None,
+                                             gate_weight, up_weight, down_weight))), grad_output.shape[-1])

@@ -265,7 +265,7 @@ def test_calls_without_stream_k_pass_one_fixed_workspace():
         del gemm._calls[key]
     partials, flags, *schedule = whole_waves.fixed_args
     assert len(seen) == 2
-    assert all(args[3] is partials and args[4] is flags and list(args[5:8]) == schedule and args[8:] == (None,) * 3
+    assert all(args[3] is partials and args[4] is flags and list(args[5:8]) == schedule and args[8:] == gemm.NO_EPILOGUE_TENSORS
                for args in seen)
 
 

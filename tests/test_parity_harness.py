@@ -1,7 +1,7 @@
 """The parity harness itself must fail on what the correctness bar rejects."""
 import torch
 
-from cutebwd.tools.parity import check_output, poisoned_like
+from cutebwd.tools.parity import check_output, held, poisoned_like
 
 
 def _ref(n=10_000, seed=0):
@@ -51,6 +51,19 @@ def test_small_uniform_bias_fails_frobenius():
     ref = _ref()
     report = check_output("x", ref * 1.02, ref, torch.bfloat16)
     assert not report.ok
+
+
+def test_a_measured_level_holds_only_what_it_names():
+    """An output held to a measured level (MEASURED_LEVEL) passes below the bar within that
+    level and fails outside it, or with a stray NaN."""
+    ref = _ref()
+    out = ref.clone()
+    out[:300] += 1.0  # 97% close
+    report = check_output("x", out, ref, torch.bfloat16)
+    assert not report.ok and not held(report)
+    assert held(report, (0.96, 0.2)) and not held(report, (0.98, 0.2)) and not held(report, (0.96, 1e-3))
+    out[5000] = float("nan")
+    assert not held(check_output("x", out, ref, torch.bfloat16), (0.96, 0.2))
 
 
 def test_poisoned_buffers():

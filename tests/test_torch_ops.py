@@ -48,6 +48,16 @@ def test_qkv_fake_implementation():
     assert [o.dtype for o in outs] == [torch.bfloat16] * 4 + [torch.float32] * 2
 
 
+def test_decoder_layer_fake_implementation():
+    problem = PROBLEMS["decoder_layer_backward"]
+    dims = {"hidden": 32, "q_heads": 4, "kv_heads": 2, "head_dim": 8, "intermediate": 40}
+    *tensors, eps = problem.make_inputs(2, 8, dims=dims)  # on the CPU: only shapes matter
+    with FakeTensorMode() as mode:
+        outs = torch.ops.cutebwd.decoder_layer_backward(*(mode.from_tensor(t) for t in tensors), eps)
+    want = problem.reference(*tensors, eps)
+    assert [(tuple(o.shape), o.dtype) for o in outs] == [(tuple(w.shape), w.dtype) for w in want]
+
+
 def test_a_traced_function_keeps_each_op_as_one_node():
     def step(go, x, r, w, ids, table, gw):
         dh, dr, dw = torch.ops.cutebwd.fused_residual_rmsnorm_backward(go, x, None, r, w)
@@ -83,6 +93,9 @@ def test_operator_checks():
     torch.library.opcheck(torch.ops.cutebwd.embedding_rmsnorm_backward_accumulate, (go, ids, hs, r, w, table, gw))
     torch.library.opcheck(torch.ops.cutebwd.qkv_qknorm_backward,
                           PROBLEMS["qkv_qknorm_backward"].make_inputs(2, 64, device="cuda", seed=2))
+    torch.library.opcheck(torch.ops.cutebwd.decoder_layer_backward, PROBLEMS["decoder_layer_backward"].make_inputs(
+        2, 40, device="cuda", seed=2, dims={"hidden": 256, "q_heads": 4, "kv_heads": 2, "head_dim": 32,
+                                            "intermediate": 320}))
 
 
 @pytest.mark.gpu

@@ -126,6 +126,20 @@ def _ours_051_into(problem):
     return _into(qkv_qknorm_backward, outputs_for)
 
 
+@register("decoder_layer_backward", "cutebwd")
+def _ours_056(problem):
+    from cutebwd.kernels.decoder_layer_backward import decoder_layer_backward
+
+    return decoder_layer_backward
+
+
+@register("decoder_layer_backward", "cutebwd out=")
+def _ours_056_into(problem):
+    from cutebwd.kernels.decoder_layer_backward import INPUTS, _outputs, decoder_layer_backward
+
+    return _into(decoder_layer_backward, lambda inputs: _outputs(None, dict(zip(INPUTS, inputs)), inputs[0].shape[-1]))
+
+
 @register("embedding_rmsnorm_backward", "cutebwd")
 def _ours_087(problem):
     from cutebwd.kernels.embedding_backward import embedding_rmsnorm_backward
@@ -192,10 +206,44 @@ def _liger_013(problem):
 # issue 4 holds 087's functional path to <= 1.1 x (the table's zero-fill alone + the accumulate
 # path; the fill is the memset 087 itself uses). name -> (factory(problem) -> fn(*inputs), bytes(problem)
 # it moves).
-BASELINES = {"embedding_rmsnorm_backward": {"zero-fill": (
-    lambda problem: lambda *inputs: runtime.zero_fill(torch.empty(problem.dims["vocab"], problem.dims["hidden"],
-                                                                  dtype=torch.bfloat16, device="cuda")),
-    lambda problem: 2 * problem.dims["vocab"] * problem.dims["hidden"])}}
+def _cublas_products_056(problem):
+    """Issue 10's yardstick: the 14 matrix products of the decoder layer's seven linear layers
+    (dX and dW of each) through cuBLAS in bf16, on operands of the right shapes taken from the
+    inputs (gate stands in for g_gate, attn_output for dq, ...): what the whole layer must not
+    exceed."""
+    names = problem.input_names
+
+    def run(*inputs):
+        x = dict(zip(names, inputs))
+        batch, seq, hidden = x["grad_output"].shape
+        tokens, kv_width = batch * seq, x["k_weight"].shape[0]
+
+        def flat(name):
+            return x[name].view(tokens, -1)
+        go, g_q = flat("grad_output"), flat("attn_output")
+        g_kv = g_q[:, :kv_width]  # a [T, kv width] operand (strided rows, as cuBLAS takes them)
+        return (
+            go @ x["down_weight"], go.t() @ flat("swiglu_output"),  # down
+            flat("gate") @ x["gate_weight"], flat("gate").t() @ flat("ffn_input"),  # gate
+            flat("up") @ x["up_weight"], flat("up").t() @ flat("ffn_input"),  # up
+            go @ x["o_weight"], go.t() @ g_q,  # o
+            g_q @ x["q_weight"], g_q.t() @ flat("attn_input"),  # q
+            g_kv @ x["k_weight"], g_kv.t() @ flat("attn_input"),  # k
+            g_kv @ x["v_weight"], g_kv.t() @ flat("attn_input"),  # v
+        )
+    return run
+
+
+# Baselines timed beside the implementations, not checked (they compute something else):
+# name -> (factory(problem) -> fn(*inputs), cost(problem, batch, seq) -> (bytes, flops) for their SOL).
+BASELINES = {
+    "embedding_rmsnorm_backward": {"zero-fill": (
+        lambda problem: lambda *inputs: runtime.zero_fill(torch.empty(problem.dims["vocab"], problem.dims["hidden"],
+                                                                      dtype=torch.bfloat16, device="cuda")),
+        lambda problem, batch, seq: (2 * problem.dims["vocab"] * problem.dims["hidden"], 0))},
+    "decoder_layer_backward": {"cuBLAS products": (
+        _cublas_products_056, lambda problem, batch, seq: problem.cost(batch, seq))},
+}
 FUNCTIONAL_BAR = ("embedding_rmsnorm_backward", "cutebwd", "zero-fill", "cutebwd acc", 1.1)
 
 
@@ -247,12 +295,12 @@ def bench_case(problem, seq, batch, options, impls, ceilings, seed, log):
             f"  parity {'ok' if row['parity_ok'] else 'FAIL'}  ({time.perf_counter() - start:.1f} s)")
         if not row["parity_ok"]:
             log("\n".join("    " + line for line in row["parity"]))
-    for name, (factory, moved) in BASELINES.get(problem.name, {}).items():
-        ms, nbytes = timing.time_ms(factory(problem), arg_sets), moved(problem)
-        sol_ms = 1e3 * sol_seconds((nbytes, 0), *ceilings)
+    for name, (factory, cost) in BASELINES.get(problem.name, {}).items():
+        ms, (nbytes, flops) = timing.time_ms(factory(problem), arg_sets), cost(problem, batch, seq)
+        sol_ms = 1e3 * sol_seconds((nbytes, flops), *ceilings)
         rows.append({"problem": problem.name, "seq_len": seq, "batch_size": batch, "options": options,
                      "impl": name, "ms": ms, "graph_ms": None, "host_us": None, "sol_ms": sol_ms,
-                     "sol_fraction": sol_ms / ms, "bytes": nbytes, "flops": 0, "parity_ok": True,
+                     "sol_fraction": sol_ms / ms, "bytes": nbytes, "flops": flops, "parity_ok": True,
                      "parity": ["a baseline, not an implementation: nothing to check"]})
         log(f"  {name:<14} {ms:9.4f} ms  (baseline)")
     del arg_sets, inputs, expected

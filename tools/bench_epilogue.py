@@ -23,18 +23,20 @@ HIDDEN, INTERMEDIATE = 5120, 14336
 MAX_RELATIVE_ERROR = 1e-2
 
 
-def dswiglu_torch(g_sw, gate, up):
-    """The peer's epilogue: PyTorch ops on the bf16 product (silu on `up`, as 056 has it)."""
+def dswiglu_torch(g_sw, gate, up, silu_up):
+    """The peer's epilogue: PyTorch ops on the bf16 product (silu on `up`, as 056 has it;
+    silu_up read as given, like ours)."""
     g, gate32, up32 = g_sw.float(), gate.float(), up.float()
     sig = torch.sigmoid(up32)
-    return (g * up32 * sig).bfloat16(), (g * gate32 * sig * (1 + up32 * (1 - sig))).bfloat16()
+    return (g * silu_up.float()).bfloat16(), (g * gate32 * sig * (1 + up32 * (1 - sig))).bfloat16()
 
 
-def reference(go, wd, gate, up):
+def reference(go, wd, gate, up, silu_up):
+    """fp32 grad_gate = g_sw * silu_up and grad_up by autograd of gate * silu(up)."""
     g_sw = go.float() @ wd.float()
     gate32, up32 = gate.float().requires_grad_(), up.float().requires_grad_()
     (gate32 * torch.nn.functional.silu(up32)).backward(g_sw)
-    return gate32.grad, up32.grad
+    return g_sw * silu_up.float(), up32.grad
 
 
 def relative_error(got, want):
@@ -47,15 +49,16 @@ def bench_tokens(t, generator, log):
 
     go = torch.randn(t, HIDDEN, device="cuda", generator=generator).bfloat16()
     wd = (torch.randn(HIDDEN, INTERMEDIATE, device="cuda", generator=generator) / HIDDEN**0.5).bfloat16()
-    gate, up = (torch.randn(t, INTERMEDIATE, device="cuda", generator=generator).bfloat16() for _ in range(2))
+    gate, up, silu_up = (torch.randn(t, INTERMEDIATE, device="cuda", generator=generator).bfloat16() for _ in range(3))
     outs = tuple(torch.empty(t, INTERMEDIATE, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     plain_out = torch.empty(t, INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
     variants = {
-        "ours fused": lambda: matmul_nt(go, wd.t(), out=outs[0], out2=outs[1], epilogue="dswiglu", inputs=(gate, up)),
-        "ours plain + torch": lambda: dswiglu_torch(matmul_nt(go, wd.t()), gate, up),
-        "cuBLAS + torch": lambda: dswiglu_torch(torch.matmul(go, wd), gate, up),
+        "ours fused": lambda: matmul_nt(go, wd.t(), out=outs[0], out2=outs[1], epilogue="dswiglu",
+                                        inputs=(gate, up, silu_up)),
+        "ours plain + torch": lambda: dswiglu_torch(matmul_nt(go, wd.t()), gate, up, silu_up),
+        "cuBLAS + torch": lambda: dswiglu_torch(torch.matmul(go, wd), gate, up, silu_up),
     }
-    want = reference(go, wd, gate, up)
+    want = reference(go, wd, gate, up, silu_up)
     errors = {who: relative_error(fn(), want) for who, fn in variants.items()}
     timed = {**variants, "ours plain": lambda: matmul_nt(go, wd.t(), out=plain_out),
              "cuBLAS plain": lambda: torch.matmul(go, wd, out=plain_out)}

@@ -42,16 +42,17 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue
             assert_parity(["c"], [matmul_nt(a, b, out=c, epilogue="add", tiling=picked, stream_k=stream_k)], [want],
                           [c_dtype])
         elif epilogue == "dswiglu":
-            gate, up = (torch.randn(m, n, device="cuda", generator=g).bfloat16() for _ in range(2))
+            gate, up, silu_up = (torch.randn(m, n, device="cuda", generator=g).bfloat16() for _ in range(3))
             sig = torch.sigmoid(up.float())
-            want = [product * up.float() * sig, product * gate.float() * sig * (1 + up.float() * (1 - sig))]
-            got = matmul_nt(a, b, epilogue="dswiglu", inputs=(gate, up), tiling=picked, stream_k=stream_k)
+            want = [product * silu_up.float(), product * gate.float() * sig * (1 + up.float() * (1 - sig))]
+            got = matmul_nt(a, b, epilogue="dswiglu", inputs=(gate, up, silu_up), tiling=picked, stream_k=stream_k)
             assert_parity(["grad_gate", "grad_up"], list(got), want, [c_dtype] * 2)
         elif epilogue == "row_dot":  # n / 160 heads of 160 columns
             x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
             sums = torch.empty(m, n // 160, device="cuda")
             got = matmul_nt(a, b, rows=sums, epilogue="row_dot", inputs=(x,), tiling=picked, stream_k=stream_k)
-            assert_parity(["c", "row_sums"], list(got), [product, (product * x.float()).view(m, -1, 160).sum(-1)],
+            stored = got[0].float()  # row_dot sums C as stored
+            assert_parity(["c", "row_sums"], list(got), [product, (stored * x.float()).view(m, -1, 160).sum(-1)],
                           [c_dtype, torch.float32])
         elif epilogue == "rope_inverse":  # n / 160 heads of 160 columns
             angles = torch.rand(m, 80, device="cuda", generator=g).repeat(1, 2) * 6.3
@@ -183,6 +184,9 @@ CASES = {
     "013 two launches, normalized=None": _problem_case("fused_residual_rmsnorm_backward", 2, 211,
                                                        without_normalized=True, consistent=True),
     "051": _problem_case("qkv_qknorm_backward", 2, 131),
+    # 37 tokens a sequence: attn_weights copied into padded rows; four query heads over two kv heads
+    "056": _problem_case("decoder_layer_backward", 2, 37, dims={"hidden": 256, "q_heads": 4, "kv_heads": 2,
+                                                               "head_dim": 32, "intermediate": 320}),
     "051 head_dim 128": _problem_case("qkv_qknorm_backward", 3, 37,
                                       dims={"head_dim": 128, "q_heads": 2, "hidden": 648}),
     "087": _problem_case("embedding_rmsnorm_backward", 2, 300, dims={"vocab": 97, "hidden": 2560},

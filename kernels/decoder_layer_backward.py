@@ -1,0 +1,307 @@
+"""L2/056 decoder layer backward (issue 10): the whole layer through the GEMM core, first version.
+
+Fourteen steps from one host call (tools/reports/056-plan.md), comments name the contract's
+lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
+
+    step  what                                                               how
+    1     g_sw = go . Wd -> g_gate, g_up (bf16 [T, I]; g_sw never stored)    dswiglu epilogue
+    2     grad_down_weight = go^T . swiglu_output                            plain product
+    3     g_ffn = g_gate . Wg + g_up . Wu (fp32 [T, H])                      summed product
+    4     grad_gate_weight, grad_up_weight = [g_gate; g_up]^T . ffn_input    grouped product
+    5     g_attn = bf16(go + rms_dx(g_ffn * w2, residual2, rstd2)) and       013's row kernel in
+          grad_post_attn_ln_weight                                           056's form
+    6     pv = P . v_rep per (batch, head), into [T, heads * d] rows         batched
+          g_ao = g_attn . Wo, D = rowsum(g_ao * pv) per (token, head)        row_dot epilogue
+    7     grad_o_weight = g_attn^T . attn_output                             plain
+    8     g_s = P * (g_ao . v_rep^T - D) / sqrt(d) per (batch, head)         batched, softmax_bwd
+    9     dq = inverse RoPE of g_s . k_rep, into dq's head view              batched, rope_inverse
+    10    dk = the groups' sums of inverse RoPE of g_s^T . q_rot             batched, rope_inverse,
+                                                                             then a PyTorch sum
+    11    dv = the groups' sums of P^T . g_ao                                batched, then a PyTorch sum
+    12    g_ai = dq . Wq + dk . Wk + dv . Wv (fp32 [T, H])                   summed
+    13    grad_q/k/v_weight = [dq; dk; dv]^T . attn_input                    grouped
+    14    grad_input = bf16(g_attn + rms_dx(g_ai * w1, residual, rstd1)) and row kernel
+          grad_input_ln_weight
+
+D is the contract's rowsum(P * g_p) per score row, which equals rowsum(g_ao * (P . v)) per
+(token, head) because g_p = g_ao . v^T: one more batched product (as cheap as g_p's) instead of
+a reduction across the score tiles. attn_output cannot stand in for P . v: the benchmark's
+inputs are independent draws.
+
+Where this first version leaves the plan (each measured in the closing notes, none hidden):
+- g_ffn and g_ai are fp32 [T, H]: the norm-weight gradients are fp32 sums over T rows of
+  them, and bf16 rounding there would cost ~1e-3 relative error against a 1e-4 bar.
+- The group sums of steps 10-11 (four query heads per kv head) are PyTorch sums over per-query-
+  head bf16 products: the GEMM core's batched and summed modes do not combine yet.
+- D leaves step 6 as [T, heads] and softmax_bwd reads it per head with unit stride: a
+  [b, heads, s] copy (T * heads * 4 bytes).
+- attn_weights are read by TMA, whose row strides must be 16-byte multiples: at a sequence
+  length that is not a multiple of 8 they are copied once into padded rows.
+"""
+from __future__ import annotations
+
+import math
+
+from ..layouts.gemm import GemmTiling
+from ..references import decoder_layer as contract
+from . import rmsnorm_backward
+from .gemm import matmul_nt
+from .gemm_batched import matmul_nt_batched
+from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
+
+# The contract's tensor inputs in signature order (eps follows them) and its outputs.
+INPUTS = contract.INPUTS[:-1]
+OUTPUTS = contract.OUTPUTS
+TMA_STRIDE = 8  # bf16 elements in 16 bytes: TMA's stride granule
+# The FFN's dSwiGLU and summed products up to this many tokens take _ffn_tilings' picks instead of
+# the GEMM core's rules (fitted at 2048 and 8192). Session 16 sweep on the H200 at 256 / 613 /
+# 1382 tokens, ms per product: dSwiGLU 128x256c2x1 0.086 / 0.213 / 0.375 against the rules'
+# pingpong 128x128c2x1 0.088 / 0.259 / 0.427 (128x128 pingpong without a cluster 0.132 / 0.209 /
+# 0.388); summed g_ffn 128x128c2x1 0.167 at 256 and 128x256c2x1 0.320 / 0.689 at 613 / 1382
+# against the rules' 128x160c2x1 0.197 / 0.390 / 0.734. (cuBLAS for the same products: go . Wd
+# 0.068 / 0.166 / 0.267, gate . Wg + up . Wu 0.139 / 0.270 / 0.529: at these sizes the GEMM core
+# itself is the gap.)
+FFN_TILINGS_MAX_TOKENS = 1536
+WIDE = GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
+
+_checked: set = set()  # (b, s, dims, device) whose full argument check has passed once
+
+
+def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_states, value_states,
+                           query_states_rotated, key_states_rotated, key_states_repeated, value_states_repeated,
+                           cos, sin, attn_weights, attn_output, residual2, ffn_input, gate, up, silu_up,
+                           swiglu_output, input_ln_weight, q_weight, k_weight, v_weight, o_weight,
+                           post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1, variance2,
+                           hidden_states_normalized1, hidden_states_normalized2, eps, *, out=None):
+    """L2/056: -> (grad_input, grad_input_ln_weight, grad_q_weight, grad_k_weight, grad_v_weight,
+    grad_o_weight, grad_post_attn_ln_weight, grad_gate_weight, grad_up_weight, grad_down_weight),
+    as semantics.md says. Per-head inputs may be [b, heads, s, d] views of [b, s, heads, d]
+    storage (read through their strides, never copied); query_states, key_states, value_states
+    and key_states_rotated are not read (the math does not need them) but are checked. `out`:
+    the ten outputs to write into. The norm-weight gradients are bitwise repeatable; the
+    products are (the GEMM core's fixed-order stream-K). Intermediates come from PyTorch's
+    caching allocator; head_dim must be a multiple of 32 (the inverse RoPE's tiles), every
+    width a multiple of 8."""
+    args = dict(zip(INPUTS, (
+        grad_output, residual, attn_input, query_states, key_states, value_states, query_states_rotated,
+        key_states_rotated, key_states_repeated, value_states_repeated, cos, sin, attn_weights, attn_output,
+        residual2, ffn_input, gate, up, silu_up, swiglu_output, input_ln_weight, q_weight, k_weight, v_weight,
+        o_weight, post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1, variance2,
+        hidden_states_normalized1, hidden_states_normalized2)))
+    dims = _dims(args)
+    first = dims not in _checked  # the full checks run on a shape's first call and to explain an error
+    if first:
+        _check_inputs(args, eps, dims)
+    outs = _outputs(out, args, dims[2], check=first)
+    _checked.add(dims)
+    try:
+        return _backward(args, eps, dims, outs)
+    except Exception:
+        _check_inputs(args, eps, dims)  # a kernel's C entry point refused an argument: say which, in our words
+        _outputs(out, args, dims[2], check=True)
+        raise
+
+
+def _backward(args, eps, dims, outs):
+    """The fourteen steps on checked arguments."""
+    import torch
+
+    (grad_output, residual, attn_input, _, _, _, query_states_rotated, _, key_states_repeated, value_states_repeated,
+     cos, sin, attn_weights, attn_output, residual2, ffn_input, gate, up, silu_up, swiglu_output, input_ln_weight,
+     q_weight, k_weight, v_weight, o_weight, post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1,
+     variance2, hidden_states_normalized1, hidden_states_normalized2) = args.values()
+    batch, seq, hidden, head_dim, q_heads, kv_heads, _, _ = dims
+    (grad_input, grad_input_ln_weight, grad_q_weight, grad_k_weight, grad_v_weight, grad_o_weight,
+     grad_post_attn_ln_weight, grad_gate_weight, grad_up_weight, grad_down_weight) = outs
+    tokens = batch * seq
+    if tokens == 0:
+        for t in outs[1:]:
+            t.zero_()
+        return outs
+    bf16, fp32 = torch.bfloat16, torch.float32
+    device = grad_output.device
+
+    def flat(t):  # [b, s, X] -> [T, X] (checked: the token dimensions flatten)
+        return t.view(tokens, t.shape[-1])
+
+    def heads(t):  # [T, heads * d] -> [b, heads, s, d]
+        return t.view(batch, seq, -1, head_dim).transpose(1, 2)
+
+    def group_sums(per_q_head, into):  # [b, q_heads, s, d] -> into's [b, kv_heads, s, d] view
+        heads(into).copy_(per_q_head.view(batch, kv_heads, q_heads // kv_heads, seq, head_dim).sum(2))
+
+    go = flat(grad_output)
+    dswiglu_tiling, summed_tiling = _ffn_tilings(tokens)
+    # 1-4: the SwiGLU FFN.
+    g_gate, g_up = matmul_nt(go, down_weight.t(), epilogue="dswiglu", inputs=(flat(gate), flat(up), flat(silu_up)),
+                             tiling=dswiglu_tiling)
+    matmul_nt(go.t(), flat(swiglu_output).t(), out=grad_down_weight)
+    g_ffn = matmul_nt_summed([(g_gate, gate_weight.t()), (g_up, up_weight.t())], out_dtype=fp32,
+                             tiling=summed_tiling)
+    matmul_nt_grouped([g_gate.t(), g_up.t()], flat(ffn_input).t(), outs=(grad_gate_weight, grad_up_weight))
+    del g_gate, g_up
+    # 5: the post-attention norm; residual2's gradient also carries go straight through.
+    g_attn = torch.empty_like(grad_output)
+    rmsnorm_backward.residual_norm_backward(g_ffn.view(batch, seq, hidden), residual2, hidden_states_normalized2,
+                                            variance2, eps, post_attn_ln_weight, grad_output, g_attn,
+                                            grad_post_attn_ln_weight)
+    del g_ffn
+    # 6-7: the output projection; D per (token, head) for the softmax backward.
+    probs = _tma_rows(attn_weights)
+    pv = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)
+    matmul_nt_batched(probs, value_states_repeated.transpose(-1, -2), out=heads(pv))
+    g_ao = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)
+    d_rows = torch.empty(tokens, q_heads, dtype=fp32, device=device)
+    matmul_nt(flat(g_attn), o_weight.t(), out=g_ao, epilogue="row_dot", inputs=(pv,), rows=d_rows)
+    del pv
+    matmul_nt(flat(g_attn).t(), flat(attn_output).t(), out=grad_o_weight)
+    # 8: g_s per (batch, head), rows padded to TMA's stride granule.
+    g_s = _padded_scores(batch, q_heads, seq, device)
+    d_heads = torch.empty(batch, q_heads, seq, dtype=fp32, device=device)  # unit stride along s, as read
+    d_heads.copy_(d_rows.view(batch, seq, q_heads).transpose(1, 2))
+    matmul_nt_batched(heads(g_ao), value_states_repeated, out=g_s, epilogue="softmax_bwd", inputs=(probs,),
+                      rows=d_heads, alpha=1 / math.sqrt(head_dim))
+    # 9-11: dq, dk, dv, each into its [T, heads * d] rows through the head view.
+    tables = tuple(t.unsqueeze(1).expand(batch, q_heads, seq, head_dim) for t in (cos, sin))
+    dq = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)
+    dk, dv = (torch.empty(tokens, kv_heads * head_dim, dtype=bf16, device=device) for _ in range(2))
+    matmul_nt_batched(g_s, key_states_repeated.transpose(-1, -2), out=heads(dq), epilogue="rope_inverse",
+                      inputs=tables)
+    per_q_head = torch.empty(batch, q_heads, seq, head_dim, dtype=bf16, device=device)
+    matmul_nt_batched(g_s.transpose(-1, -2), query_states_rotated.transpose(-1, -2), out=per_q_head,
+                      epilogue="rope_inverse", inputs=tables)
+    group_sums(per_q_head, dk)
+    del g_s
+    matmul_nt_batched(probs.transpose(-1, -2), heads(g_ao).transpose(-1, -2), out=per_q_head)
+    group_sums(per_q_head, dv)
+    del per_q_head, g_ao, probs
+    # 12-14: the q/k/v projections and the input norm.
+    g_ai = matmul_nt_summed([(dq, q_weight.t()), (dk, k_weight.t()), (dv, v_weight.t())], out_dtype=fp32)
+    matmul_nt_grouped([dq.t(), dk.t(), dv.t()], flat(attn_input).t(),
+                      outs=(grad_q_weight, grad_k_weight, grad_v_weight))
+    rmsnorm_backward.residual_norm_backward(g_ai.view(batch, seq, hidden), residual, hidden_states_normalized1,
+                                            variance1, eps, input_ln_weight, g_attn, grad_input,
+                                            grad_input_ln_weight)
+    return outs
+
+
+def _ffn_tilings(tokens: int):
+    """(dSwiGLU product, summed g_ffn product) tilings; None: the GEMM core's rules (also at 128
+    tokens or fewer, where they pick short-M tilings; not swept here)."""
+    if tokens > FFN_TILINGS_MAX_TOKENS or tokens <= 128:
+        return None, None
+    return WIDE, GemmTiling(tile_m=128, tile_n=128, cluster_m=2) if tokens <= 384 else WIDE
+
+
+def _tma_rows(scores):
+    """[b, heads, s, s] scores whose rows TMA can step (a 16-byte multiple row stride): the
+    tensor itself, or, at a sequence length that is not a multiple of 8, a copy with padded rows."""
+    if all(scores.stride(i) % TMA_STRIDE == 0 for i in range(3)) and scores.stride(3) == 1:
+        return scores
+    batch, q_heads, seq, _ = scores.shape
+    return _padded_scores(batch, q_heads, seq, scores.device).copy_(scores)
+
+
+def _padded_scores(batch, q_heads, seq, device):
+    """A bf16 [b, heads, s, s] tensor with rows padded to a multiple of 8 elements."""
+    import torch
+
+    padded = -(-seq // TMA_STRIDE) * TMA_STRIDE
+    return torch.empty(batch, q_heads, seq, padded, dtype=torch.bfloat16, device=device)[..., :seq]
+
+
+def _dims(args):
+    """(batch, seq, hidden, head_dim, q_heads, kv_heads, intermediate, device): the cache key
+    of the full check; raises TypeError for a non-tensor where one is needed."""
+    try:
+        batch, seq, hidden = args["grad_output"].shape
+        head_dim = args["cos"].shape[-1]
+        return (batch, seq, hidden, head_dim, args["q_weight"].shape[0] // max(head_dim, 1),
+                args["k_weight"].shape[0] // max(head_dim, 1), args["gate_weight"].shape[0],
+                args["grad_output"].device)
+    except (AttributeError, ValueError) as error:
+        raise TypeError(f"grad_output, cos, q_weight, k_weight, gate_weight: expected tensors of the contract's "
+                        f"ranks ({error})") from None
+
+
+def _check_inputs(args, eps, dims):
+    """Every input's dtype, shape, device and the layouts the kernels read in place; messages name
+    the argument."""
+    import torch
+
+    from .checks import check_same_device, check_tensor
+
+    batch, seq, hidden, head_dim, q_heads, kv_heads, inter, _ = dims
+    if head_dim % 32 or head_dim == 0:
+        raise ValueError(f"cos: head_dim {head_dim} must be a positive multiple of 32 (the inverse RoPE's tiles)")
+    if hidden % 8 or inter % 8 or not kv_heads or q_heads % kv_heads:
+        raise ValueError(f"dimensions: hidden {hidden} and intermediate {inter} must be multiples of 8, and q heads "
+                         f"{q_heads} a multiple of kv heads {kv_heads}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise TypeError(f"eps: expected a non-negative float, got {eps!r}")
+    q_width, kv_width = q_heads * head_dim, kv_heads * head_dim
+    token_rows = {"grad_output": hidden, "residual": hidden, "attn_input": hidden, "attn_output": q_width,
+                  "residual2": hidden, "ffn_input": hidden, "gate": inter, "up": inter, "silu_up": inter,
+                  "swiglu_output": inter, "variance1": 1, "variance2": 1, "hidden_states_normalized1": hidden,
+                  "hidden_states_normalized2": hidden, "cos": head_dim, "sin": head_dim}
+    per_head = {"query_states": q_heads, "key_states": kv_heads, "value_states": kv_heads,
+                "query_states_rotated": q_heads, "key_states_rotated": kv_heads, "key_states_repeated": q_heads,
+                "value_states_repeated": q_heads}
+    weights = {"input_ln_weight": (hidden,), "post_attn_ln_weight": (hidden,), "q_weight": (q_width, hidden),
+               "k_weight": (kv_width, hidden), "v_weight": (kv_width, hidden), "o_weight": (hidden, q_width),
+               "gate_weight": (inter, hidden), "up_weight": (inter, hidden), "down_weight": (hidden, inter)}
+    fp32_inputs = ("variance1", "variance2", "hidden_states_normalized1", "hidden_states_normalized2")
+    for name, width in token_rows.items():
+        t = args[name]
+        check_tensor(name, t, dtypes=torch.float32 if name in fp32_inputs else torch.bfloat16,
+                     shape=(batch, seq, width), contiguous=False, align=4 if width == 1 else 16)
+        if width > 1 and (t.stride(2) != 1 or t.stride(1) % 8 or not _flattens(t)):
+            raise ValueError(f"{name}: expected [b, s, {width}] rows with a contiguous last dimension, a row stride "
+                             f"that is a multiple of 8 and batch rows that follow on (they are read as [T, {width}]), "
+                             f"got strides {t.stride()}")
+    for name, count in per_head.items():
+        t = args[name]
+        check_tensor(name, t, dtypes=torch.bfloat16, shape=(batch, count, seq, head_dim), contiguous=False)
+        if t.stride(3) != 1 or any(t.stride(i) % 8 for i in range(3)):
+            raise ValueError(f"{name}: expected a contiguous last dimension and other strides that are multiples of 8 "
+                             f"(a [b, heads, s, d] tensor or a view of [b, s, heads, d] storage), got {t.stride()}")
+    check_tensor("attn_weights", args["attn_weights"], dtypes=torch.bfloat16, shape=(batch, q_heads, seq, seq),
+                 contiguous=False)
+    if args["attn_weights"].stride(3) != 1 and seq > 1:
+        raise ValueError(f"attn_weights: expected a contiguous last dimension, got strides "
+                         f"{args['attn_weights'].stride()}")
+    for name, shape in weights.items():
+        check_tensor(name, args[name], dtypes=torch.bfloat16, shape=shape, contiguous=True)
+    check_same_device(**args)
+
+
+def _flattens(t) -> bool:
+    """Whether [b, s, X] views as [b * s, X] without a copy."""
+    try:
+        t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _outputs(out, args, hidden, check: bool = True):
+    """The caller's ten outputs (checked with `check`; otherwise the kernels' C entry points
+    check what they write), or new ones (bf16 like their tensors, fp32 norm-weight gradients)."""
+    import torch
+
+    from .checks import check_same_device, check_tensor
+
+    like = (args["grad_output"], None, args["q_weight"], args["k_weight"], args["v_weight"], args["o_weight"],
+            None, args["gate_weight"], args["up_weight"], args["down_weight"])
+    if out is None:
+        return tuple(torch.empty(hidden, dtype=torch.float32, device=args["grad_output"].device) if t is None
+                     else torch.empty_like(t, memory_format=torch.contiguous_format) for t in like)
+    if not isinstance(out, (tuple, list)) or len(out) != len(OUTPUTS):
+        raise ValueError(f"out: a tuple of the ten outputs {OUTPUTS}")
+    if not check:
+        return tuple(out)
+    for name, t, model in zip(OUTPUTS, out, like):
+        shape = (hidden,) if model is None else tuple(model.shape)
+        check_tensor(f"out[{name}]", t, dtypes=torch.float32 if model is None else torch.bfloat16, shape=shape)
+    check_same_device(grad_output=args["grad_output"], **{f"out[{n}]": t for n, t in zip(OUTPUTS, out)})
+    return tuple(out)
