@@ -169,7 +169,8 @@ def test_the_fourteen_steps_with_pytorch_stand_ins(monkeypatch):
     monkeypatch.setattr(op, "_check_inputs", lambda *args: None)  # (its checks want CUDA tensors)
     inputs = PROBLEM.make_inputs(2, 13, dims=SMALL, seed=8)  # 13: attn_weights padded for TMA
     expected = PROBLEM.run_reference(inputs, dims=SMALL, fp32_outputs=True)
-    poisoned = tuple(torch.full(t.shape, float("nan"), dtype=dtype) for t, dtype in zip(expected, PROBLEM.output_dtypes))
+    poisoned = tuple(torch.full(t.shape, float("nan"), dtype=dtype)
+                     for t, dtype in zip(expected, PROBLEM.output_dtypes))
     for out in (None, poisoned):  # new outputs, then the caller's
         outs = op.decoder_layer_backward(*inputs, out=out)
         assert out is None or all(a is b for a, b in zip(outs, out))
