@@ -16,10 +16,11 @@ Kinds:
   grad_gate = g_sw * silu_up and grad_up = g_sw * gate * sig(up) * (1 + up * (1 - sig(up)));
   silu_up is read, not recomputed from up: the benchmark's inputs are independent draws;
 - ROW_DOT: C = acc, and per row the fp32 dot of C (as stored, bf16) with an input x over each
-  tile's columns: rows[i, j] = sum over tile column j of C[i, c] * x[i, c] (the `rows` tensor, [M, N / tile_n],
-  tile_n the column group). 056's softmax backward needs D = rowsum(g_ao * attn_output) per head: with
-  tile_n = head_dim it falls out of the g_ao product, one dot per (token, head), each summed
-  in a fixed order within one tile (no cross-tile reduction, bitwise repeatable);
+  tile's columns: rows[i, j] = sum over tile column j of C[i, c] * x[i, c] (the `rows` tensor,
+  [M, N / tile_n], tile_n the column group). 056's softmax backward needs D = rowsum(P * g_p) =
+  rowsum(g_ao * P v) per head: with tile_n = head_dim and x = P v it falls out of the g_ao
+  product, one dot per (token, head), each summed in a fixed order within one tile (no
+  cross-tile reduction, bitwise repeatable);
 - SOFTMAX_BWD: 056's g_s = P * (g_p - D) * alpha from the accumulator of g_p = g_ao . v^T, with
   P = attn_weights ([M, N] input), D the per-row values ([M] fp32, from row_dot) and alpha =
   1 / sqrt(head_dim), built into the kernel;

@@ -606,7 +606,7 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     out required); "dswiglu" (inputs=(gate, up, silu_up), bf16 [M, N]: out = grad_gate, out2 = grad_up,
     allocated when not given; returns (out, out2)); "row_dot" (inputs=(x,), bf16 [M, N]: out =
     A . B^T, and `rows`, fp32 [M, G], required: rows[i, j] = sum over the j-th group of N / G
-    columns of the fp32 product times x, e.g. per attention head; the tiles are N / G wide;
+    columns of the product as stored (bf16) times x, e.g. per attention head; the tiles are N / G wide;
     returns (out, rows)); "softmax_bwd" (inputs=(p,), bf16 [M, N], and `rows`, fp32 [M],
     required: out = p * (A . B^T - rows[:, None]) * alpha; a build per alpha); "rope_inverse"
     (inputs=(cos, sin), bf16 [M, d] RoPE tables with equal halves: out = the inverse rotation of

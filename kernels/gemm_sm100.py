@@ -617,7 +617,7 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(cluster_m=2), True, False, "float32"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
     (GemmTiling(), True, False, "bfloat16", ADD),
-    # 056's g_ao = g_attn . Wo with D = rowsum(g_ao * attn_output) per head (160 columns)
+    # 056's g_ao = g_attn . Wo with D = rowsum(g_ao * P v) per head (160 columns)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
     # 056's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
     (GemmTiling(cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),

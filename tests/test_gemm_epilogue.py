@@ -215,7 +215,7 @@ def test_softmax_bwd_epilogue_matches_the_reference(s, stream_k, tiling):
 
 @pytest.mark.gpu
 def test_softmax_bwd_with_d_from_row_dot_and_empty_k():
-    """D as 056 gets it: rowsum(g_ao * attn_output) from the row_dot epilogue of the product
+    """D as 056 gets it: rowsum(g_ao * P v) from the row_dot epilogue of the product
     that makes g_ao (here one head, its output O = P . v)."""
     g_ao, v, p, d, want = _softmax_backward_case(256, 160, seed=3)
     o = (p.float() @ v.float()).bfloat16()
