@@ -152,3 +152,19 @@ def test_reference_floor_compares_float64_with_the_fp32_reference():
     assert [r.name for r in reports] == list(PROBLEMS["decoder_layer_backward"].output_names)
     assert all(r.stray_nonfinite == 0 and r.close_fraction > 0.9 for r in reports)
     assert any(r.rel_frobenius > 0 for r in reports)
+
+
+def test_056_cublas_baseline_is_the_layers_fourteen_products():
+    """The yardstick of issue 10: dX and dW of each of the seven linear layers, with the shapes
+    of the layer's products (CPU, tiny dimensions)."""
+    from cutebwd.references import PROBLEMS
+    from cutebwd.tools.bench import _cublas_products_056
+
+    problem = PROBLEMS["decoder_layer_backward"]
+    dims = {"hidden": 32, "q_heads": 4, "kv_heads": 2, "head_dim": 8, "intermediate": 40}
+    inputs = problem.make_inputs(2, 8, dims=dims, dtype=torch.float32)
+    products = _cublas_products_056(problem)(*inputs)
+    tokens, (h, q, kv, i) = 16, (32, 32, 16, 40)
+    assert [tuple(p.shape) for p in products] == [
+        (tokens, i), (h, i), (tokens, h), (i, h), (tokens, h), (i, h), (tokens, q), (h, q),
+        (tokens, h), (q, h), (tokens, h), (kv, h), (tokens, h), (kv, h)]
