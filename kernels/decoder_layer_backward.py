@@ -95,7 +95,7 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
     outs = _outputs(out, args, dims[2], check=first)
     _checked.add(dims)
     try:
-        return _backward(args, eps, dims, outs)
+        return _backward(args, float(eps), dims, outs)
     except Exception:
         _check_inputs(args, eps, dims)  # a kernel's C entry point refused an argument: say which, in our words
         _outputs(out, args, dims[2], check=True)
