@@ -23,6 +23,9 @@ lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
     14    grad_input = bf16(g_attn + rms_dx(g_ai * w1, residual, rstd1)) and row kernel
           grad_input_ln_weight
 
+They run in the order 1-7, 11, 8-10, 12-14, so the [b, heads, s, s] tensors live as briefly as
+they can (issue 10's memory bar: extra device memory <= 110% of the outputs).
+
 D is the contract's rowsum(P * g_p) per score row, which equals rowsum(g_ao * (P . v)) per
 (token, head) because g_p = g_ao . v^T: one more batched product (as cheap as g_p's) instead of
 a reduction across the score tiles. attn_output cannot stand in for P . v: the benchmark's
@@ -155,26 +158,28 @@ def _backward(args, eps, dims, outs):
     matmul_nt(flat(g_attn), o_weight.t(), out=g_ao, epilogue="row_dot", inputs=(pv,), rows=d_rows)
     del pv
     matmul_nt(flat(g_attn).t(), flat(attn_output).t(), out=grad_o_weight)
+    # 9-11 in the order that frees the [b, heads, s, s] tensors soonest (P's padded copy and g_s
+    # are each 210 MB at 449 x 16): dv first (P and g_ao only), then g_s, then dq and dk from it.
+    # dq, dk, dv each go into their [T, heads * d] rows through the head view.
+    dq = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)
+    dk, dv = (torch.empty(tokens, kv_heads * head_dim, dtype=bf16, device=device) for _ in range(2))
+    per_q_head = torch.empty(batch, q_heads, seq, head_dim, dtype=bf16, device=device)
+    matmul_nt_batched(probs.transpose(-1, -2), heads(g_ao).transpose(-1, -2), out=per_q_head)
+    group_sums(per_q_head, dv)
     # 8: g_s per (batch, head), rows padded to TMA's stride granule.
     g_s = _padded_scores(batch, q_heads, seq, device)
     d_heads = torch.empty(batch, q_heads, seq, dtype=fp32, device=device)  # unit stride along s, as read
     d_heads.copy_(d_rows.view(batch, seq, q_heads).transpose(1, 2))
     matmul_nt_batched(heads(g_ao), value_states_repeated, out=g_s, epilogue="softmax_bwd", inputs=(probs,),
                       rows=d_heads, alpha=1 / math.sqrt(head_dim))
-    # 9-11: dq, dk, dv, each into its [T, heads * d] rows through the head view.
+    del probs, g_ao
     tables = tuple(t.unsqueeze(1).expand(batch, q_heads, seq, head_dim) for t in (cos, sin))
-    dq = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)
-    dk, dv = (torch.empty(tokens, kv_heads * head_dim, dtype=bf16, device=device) for _ in range(2))
     matmul_nt_batched(g_s, key_states_repeated.transpose(-1, -2), out=heads(dq), epilogue="rope_inverse",
                       inputs=tables)
-    per_q_head = torch.empty(batch, q_heads, seq, head_dim, dtype=bf16, device=device)
     matmul_nt_batched(g_s.transpose(-1, -2), query_states_rotated.transpose(-1, -2), out=per_q_head,
                       epilogue="rope_inverse", inputs=tables)
     group_sums(per_q_head, dk)
-    del g_s
-    matmul_nt_batched(probs.transpose(-1, -2), heads(g_ao).transpose(-1, -2), out=per_q_head)
-    group_sums(per_q_head, dv)
-    del per_q_head, g_ao, probs
+    del g_s, per_q_head
     # 12-14: the q/k/v projections and the input norm.
     g_ai = matmul_nt_summed([(dq, q_weight.t()), (dk, k_weight.t()), (dv, v_weight.t())], out_dtype=fp32)
     matmul_nt_grouped([dq.t(), dk.t(), dv.t()], flat(attn_input).t(),
