@@ -27,10 +27,21 @@ def test_087_functional_path_against_zero_fill_plus_accumulate():
     rows = [row("cutebwd", 0.21), row("zero-fill", 0.15), row("cutebwd acc", 0.05),
             row("cutebwd", 0.5, 4096), row("zero-fill", 0.15, 4096), row("cutebwd acc", 0.25, 4096),
             row("cutebwd", 0.3, 64, {"same_ids": True})]  # no baseline for this case: left out
-    ratios = dict(((seq, batch), ratio) for (seq, batch, _), ratio in bench.functional_ratios(rows))
+    ratios = dict(((seq, batch), ratio) for (seq, batch, _), ratio in bench.bar_ratios(rows, bench.RATIO_BARS[0]))
     assert ratios == {(128, 1): 0.21 / 0.2, (4096, 1): 0.5 / 0.4}
     table = bench.format_tables(rows, bench.summarize(rows))
-    assert "bar <= 1.1: worst 1.250 (NOT met)" in table
+    assert "'cutebwd' / ('zero-fill' + 'cutebwd acc'), bar <= 1.1: worst 1.250 (NOT met)" in table
+
+
+def test_056_against_its_cublas_products():
+    def row(impl, ms, seq):
+        return {"problem": "decoder_layer_backward", "seq_len": seq, "batch_size": 1, "options": {},
+                "impl": impl, "ms": ms, "graph_ms": None, "host_us": None, "sol_ms": 1.0, "sol_fraction": 0.5,
+                "parity_ok": True}
+    rows = [row("cutebwd", 1.05, 128), row("cuBLAS products", 1.0, 128), row("cutebwd", 2.0, 256),
+            row("cuBLAS products", 2.0, 256)]
+    table = bench.format_tables(rows, bench.summarize(rows))
+    assert "decoder_layer_backward 'cutebwd' / ('cuBLAS products'), bar <= 1.1: worst 1.050 (met)" in table
 
 
 def test_gemm_bench_covers_the_issue_products():
