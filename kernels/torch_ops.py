@@ -164,5 +164,5 @@ def _(grad_output, residual, attn_input, query_states, key_states, value_states,
       hidden_states_normalized2, eps):
     from .decoder_layer_backward import INPUTS, _outputs
 
-    return _outputs(None, dict(zip(INPUTS, (grad_output, *(None,) * 20, q_weight, k_weight, v_weight, o_weight, None,
-                                             gate_weight, up_weight, down_weight))), grad_output.shape[-1])
+    named = locals()  # every input by its contract name
+    return _outputs(None, {name: named[name] for name in INPUTS}, grad_output.shape[-1])
