@@ -37,7 +37,8 @@ def main(argv=None) -> int:
         progress(f"[floor] {problem.name} {i}/{len(cases)} {seq} x {batch}")
         for report in floor(problem, batch, seq, device, seed=seq * 100 + batch):
             print(f"{seq} x {batch}  {report.line()}", flush=True)
-        torch.cuda.empty_cache() if device == "cuda" else None
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 
