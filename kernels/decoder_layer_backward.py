@@ -130,8 +130,8 @@ def _backward(args, eps, dims, outs):
     def heads(t):  # [T, heads * d] -> [b, heads, s, d]
         return t.view(batch, seq, -1, head_dim).transpose(1, 2)
 
-    def group_sums(per_q_head, into):  # [b, q_heads, s, d] -> into's [b, kv_heads, s, d] view
-        heads(into).copy_(per_q_head.view(batch, kv_heads, q_heads // kv_heads, seq, head_dim).sum(2))
+    def group_sums(per_q_head, into):  # [b, q_heads, s, d] -> into's [b, kv_heads, s, d] view, in one pass
+        torch.sum(per_q_head.view(batch, kv_heads, q_heads // kv_heads, seq, head_dim), dim=2, out=heads(into))
 
     go = flat(grad_output)
     dswiglu_tiling, summed_tiling = _ffn_tilings(tokens)
@@ -166,8 +166,10 @@ def _backward(args, eps, dims, outs):
     per_q_head = torch.empty(batch, q_heads, seq, head_dim, dtype=bf16, device=device)
     matmul_nt_batched(probs.transpose(-1, -2), heads(g_ao).transpose(-1, -2), out=per_q_head)
     group_sums(per_q_head, dv)
-    # 8: g_s per (batch, head), rows padded to TMA's stride granule.
-    g_s = _padded_scores(batch, q_heads, seq, device)
+    # 8: g_s per (batch, head), rows padded to TMA's stride granule: written over P's padded copy
+    # where there is one (this epilogue is P's last reader, and it reads each piece of P before
+    # it writes the same piece of g_s; tiles are disjoint), which saves 210 MB at 449 x 16.
+    g_s = probs if probs is not attn_weights else _padded_scores(batch, q_heads, seq, device)
     d_heads = torch.empty(batch, q_heads, seq, dtype=fp32, device=device)  # unit stride along s, as read
     d_heads.copy_(d_rows.view(batch, seq, q_heads).transpose(1, 2))
     matmul_nt_batched(heads(g_ao), value_states_repeated, out=g_s, epilogue="softmax_bwd", inputs=(probs,),

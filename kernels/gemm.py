@@ -540,10 +540,12 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
     return call
 
 
-def choose_tiling(tiling, m: int, n: int, k: int, arch: str, epilogue: Epilogue, group_n) -> GemmTiling:
-    """The tiling asked for, or the default one; an epilogue that works per column group (row
-    sums, tables: `group_n` columns) needs tiles exactly one group wide."""
-    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n)
+def choose_tiling(tiling, m: int, n: int, k: int, arch: str, epilogue: Epilogue, group_n,
+                  batches: int = 1) -> GemmTiling:
+    """The tiling asked for, or the default one (for a batch of `batches` products); an epilogue
+    that works per column group (row sums, tables: `group_n` columns) needs tiles exactly one
+    group wide."""
+    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n, batches=batches)
     if group_n and chosen.tile_n != group_n:
         raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
                          f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")

@@ -82,7 +82,8 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
     n = b.shape[2]
     arch = _device_arch(a.device)
     a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
-    chosen = choose_tiling(tiling, m, n, k, arch, kind, inputs[0].shape[-1] if kind.tables else None)
+    chosen = choose_tiling(tiling, m, n, k, arch, kind, inputs[0].shape[-1] if kind.tables else None,
+                           batches=a.shape[0] * a.shape[1])
     run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=True)
     call = _calls[a.shape[0] * a.shape[1], m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue, rows, alpha, inputs)] = _Call(

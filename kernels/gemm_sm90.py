@@ -636,6 +636,9 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5),
      1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
+    # 056's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
+    (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", STORE, 1, "m", True),
+    (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", True),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

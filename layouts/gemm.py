@@ -158,7 +158,7 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
 
 
 def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = False,
-                   group_n: int | None = None) -> GemmTiling:
+                   group_n: int | None = None, batches: int = 1) -> GemmTiling:
     """The tiling for a product until the tuner's table exists: rules read off two sweeps of
     the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within ~10% of
     that product's best of the tilings tried.
@@ -183,10 +183,17 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = F
     cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md).
     `group_n`: tiles exactly that many columns wide (`row_dot` sums rows per tile,
     `rope_inverse` rotates one head a tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
-    2 x 1 clusters from M > 128. Not swept."""
+    2 x 1 clusters from M > 128. Not swept.
+    `batches` > 1 (a batched product, 056's attention: hundreds of [s, d] products per call,
+    so the batch fills the SMs, not the tile size) and N at most 256: one tile spans N, 128 rows,
+    cooperative, 2 x 1 clusters from M > 128. P . v and P^T . g_ao at 449 x 16 (N = d = 160):
+    0.136 / 0.132 ms against 0.272 / 0.271 for the single-product rule's 64 x 128 tiles
+    (256 x 32: 0.102 / 0.115 against 0.149 / 0.155; session 17 sweep)."""
     if group_n:
         return GemmTiling(tile_m=128, tile_n=group_n, cluster_m=2 if m > 128 else 1,
                           pingpong=arch == "sm_90a" and group_n <= 128)
+    if batches > 1 and not fused and n <= 256 and n % 32 == 0:
+        return GemmTiling(tile_m=128, tile_n=n, cluster_m=2 if m > 128 else 1)
     if m <= 128 and n >= 8192:
         return GemmTiling(tile_m=128, tile_n=128)
     if 64 < m <= 128:

@@ -67,6 +67,23 @@ def test_outputs_are_bitwise_repeatable():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seq,batch", [(449, 16), (256, 32)])  # the two largest: a padded P copy, and T = 8192
+def test_extra_memory_within_the_bar(seq, batch):
+    """Issue 10: a call's device memory beyond its inputs and outputs <= 110% of the outputs."""
+    inputs = PROBLEM.make_inputs(batch, seq, device="cuda", seed=3)
+    outs = kernel(*inputs)
+    kernel(*inputs, out=outs)  # compiled and checked: what remains is the call's own memory
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    kernel(*inputs, out=outs)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    size = sum(t.numel() * t.element_size() for t in outs)
+    assert extra <= 1.1 * size, f"{extra / 2**20:.0f} MiB beyond inputs and outputs, outputs {size / 2**20:.0f} MiB"
+
+
+@pytest.mark.gpu
 def test_argument_errors():
     inputs = list(PROBLEM.make_inputs(1, 16, device="cuda", seed=1, dims=SMALL))
     bad = list(inputs)

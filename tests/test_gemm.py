@@ -42,6 +42,16 @@ def test_default_tiling_is_valid_for_the_layer_products():
         default_tiling(m, n, k, "sm_100a").check_sm100()
 
 
+def test_batched_head_products_take_one_head_a_tile():
+    """056's P . v and P^T . g_ao: hundreds of [s, 160] products, one 128 x 160 tile across N
+    (the single product of the same shape keeps the many-small-tiles rule)."""
+    assert default_tiling(449, 160, 449, batches=512) == GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
+    assert default_tiling(128, 160, 128, batches=1024) == GemmTiling(tile_m=128, tile_n=160)
+    assert default_tiling(449, 160, 449) == GemmTiling(tile_m=64, tile_n=128)
+    for arch, check in (("sm_90a", "check_sm90"), ("sm_100a", "check_sm100")):
+        getattr(default_tiling(449, 160, 449, arch, batches=512), check)()
+
+
 @pytest.mark.parametrize("a,b,error", [
     (torch.zeros(8, 64), torch.zeros(8, 64, dtype=torch.bfloat16), TypeError),  # a is fp32
     (torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), ValueError),  # on the CPU

@@ -44,6 +44,22 @@ def test_batched_scores_match_each_head(b, heads, s, tiling, stream_k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b,heads,s", [(2, 4, 200), (3, 2, 72)])  # 2 x 1 clusters from s > 128, none below
+def test_probabilities_times_head_values_and_back(b, heads, s):
+    """056's P . v and dv = P^T . g_ao per (batch, head) with their default tiling (one
+    160-column head a tile), written into and read from [b, s, heads * d] rows."""
+    g = torch.Generator(device="cuda").manual_seed(s)
+    p = torch.softmax(torch.randn(b, heads, s, s, device="cuda", generator=g), -1).bfloat16()
+    v, g_ao = _heads(b, s, heads, 160, g), _heads(b, s, heads, 160, g)
+    rows = torch.full((b, s, heads * 160), float("nan"), dtype=torch.bfloat16, device="cuda")
+    pv = rows.view(b, s, heads, 160).transpose(1, 2)
+    matmul_nt_batched(p, v.transpose(-1, -2), out=pv)
+    assert _close(pv, p.float() @ v.float())
+    dv = matmul_nt_batched(p.transpose(-1, -2), g_ao.transpose(-1, -2))
+    assert _close(dv, p.float().transpose(-1, -2) @ g_ao.float())
+
+
+@pytest.mark.gpu
 def test_one_batch_dimension_and_empty_batches():
     g = torch.Generator(device="cuda").manual_seed(1)
     a = torch.randn(5, 96, 64, device="cuda", generator=g).bfloat16()
