@@ -389,7 +389,8 @@ class Sm90Gemm:
                     # the TMA stores of the team's previous tile have read their slots.
                     if k_end == k_tiles and is_store_warp:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        for q in cutlass.range_constexpr(min(self.tiling.epilogue_input_stages, self.pieces)):
+                        # a loop, not unrolled: eight unrolled loads' addresses spilled a register
+                        for q in cutlass.range(min(self.tiling.epilogue_input_stages, self.pieces), unroll=1):
                             self._load_inputs(io, s_c, team, done * self.pieces + q, m, n, q, l)
                 if cutlass.const_expr(pingpong):
                     if u > 0:
@@ -633,8 +634,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
     # 056's attention backward per (batch, head), read through the [b, s, heads, d] strides:
     # g_s = P * (g_ao . v^T - D) / sqrt(160), and g_q = inverse RoPE of g_s . k_rep
-    (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5),
-     1, "m", True),
+    (GemmTiling(pingpong=True, cluster_m=2, epilogue_input_stages=8), True, True, "bfloat16",
+     dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5), 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
     # 056's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", STORE, 1, "m", True),

@@ -15,6 +15,10 @@ from pathlib import Path
 SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
 SM100_SMEM_BYTES = SM90_SMEM_BYTES  # B200: the same 227 KB per CTA
 WARPGROUP_THREADS = 128
+# A fused product with K up to SHORT_K is epilogue-bound: its epilogue inputs load this many
+# pieces ahead (default_tiling).
+SHORT_K = 512
+SHORT_K_INPUT_STAGES = 8
 # Hopper: fp32 accumulators a consumer thread may hold (cooperative, pingpong); the rest of its
 # 232 registers (setmaxnreg) go to addresses, the epilogue's pieces and the stream-K hand-over.
 # Pingpong keeps more state live across its loop (turns, skipped stages): at 160, ptxas spilled
@@ -180,7 +184,8 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = F
     `fused`: the epilogue reads [M, N] inputs. From M > 128 on sm_90a, pingpong 128 x 128 in
     2 x 1 clusters, whose epilogues run under the other warpgroup's MMAs: for 056's g_sw
     product (T = 2048, 8192) 1.09 / 1.08x the plain product against 1.12 / 1.18x with the
-    cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md).
+    cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md);
+    with K <= SHORT_K, eight slots of input pieces instead of two.
     `group_n`: tiles exactly that many columns wide (`row_dot` sums rows per tile,
     `rope_inverse` rotates one head a tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
     2 x 1 clusters from M > 128. Not swept.
@@ -201,7 +206,12 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: bool = F
     if m <= 64:
         return GemmTiling(tile_m=128, tile_n=64)
     if fused and arch == "sm_90a":
-        return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=True)
+        # Short K (056's softmax_bwd, K = head_dim: three k-tiles): the epilogue is the work, so
+        # eight slots of input pieces (the whole tile) load ahead instead of two, taking shared
+        # memory the short main loop does not need. g_s at 449 x 16: 0.204 ms against 0.279
+        # (256 x 32: 0.141 against 0.179; session 17 sweep).
+        return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=True,
+                          epilogue_input_stages=SHORT_K_INPUT_STAGES if k <= SHORT_K else 2)
     if 110 <= -(-m // 256) * -(-n // 160) <= 132 and arch == "sm_90a":
         return GemmTiling(tile_m=256, tile_n=160)
     if m * n <= 1536 * 640 and m < 4096:

@@ -52,6 +52,14 @@ def test_batched_head_products_take_one_head_a_tile():
         getattr(default_tiling(449, 160, 449, arch, batches=512), check)()
 
 
+def test_short_k_fused_products_load_more_epilogue_inputs_ahead():
+    """056's softmax_bwd (K = head_dim) is epilogue-bound on sm_90a: eight input slots; the
+    dSwiGLU product (K = hidden) keeps two, for its main loop's stages."""
+    assert default_tiling(449, 449, 160, fused=True, batches=512).epilogue_input_stages == 8
+    assert default_tiling(8192, 14336, 5120, fused=True).epilogue_input_stages == 2
+    default_tiling(449, 449, 160, fused=True, batches=512).check_sm90()
+
+
 @pytest.mark.parametrize("a,b,error", [
     (torch.zeros(8, 64), torch.zeros(8, 64, dtype=torch.bfloat16), TypeError),  # a is fp32
     (torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), ValueError),  # on the CPU
