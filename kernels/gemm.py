@@ -545,7 +545,7 @@ def choose_tiling(tiling, m: int, n: int, k: int, arch: str, epilogue: Epilogue,
     """The tiling asked for, or the default one (for a batch of `batches` products); an epilogue
     that works per column group (row sums, tables: `group_n` columns) needs tiles exactly one
     group wide."""
-    chosen = tiling or default_tiling(m, n, k, arch, fused=bool(epilogue.inputs), group_n=group_n, batches=batches)
+    chosen = tiling or default_tiling(m, n, k, arch, fused=len(epilogue.inputs), group_n=group_n, batches=batches)
     if group_n and chosen.tile_n != group_n:
         raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
                          f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")

@@ -55,9 +55,10 @@ def test_batched_head_products_take_one_head_a_tile():
 def test_short_k_fused_products_load_more_epilogue_inputs_ahead():
     """056's softmax_bwd (K = head_dim) is epilogue-bound on sm_90a: eight input slots; the
     dSwiGLU product (K = hidden) keeps two, for its main loop's stages."""
-    assert default_tiling(449, 449, 160, fused=True, batches=512).epilogue_input_stages == 8
-    assert default_tiling(8192, 14336, 5120, fused=True).epilogue_input_stages == 2
-    default_tiling(449, 449, 160, fused=True, batches=512).check_sm90()
+    assert default_tiling(449, 449, 160, fused=1, batches=512).epilogue_input_stages == 8
+    assert default_tiling(8192, 14336, 5120, fused=3).epilogue_input_stages == 2
+    assert default_tiling(300, 520, 200, fused=3).epilogue_input_stages == 2  # three inputs' slots: no room
+    default_tiling(449, 449, 160, fused=1, batches=512).check_sm90()
 
 
 @pytest.mark.parametrize("a,b,error", [
