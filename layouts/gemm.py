@@ -181,8 +181,8 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     - otherwise cooperative in 2 x 1 clusters (B multicast): 128 x 256 tiles where there are
       many of them (>= 800, or >= 300 with K > 2048 to amortize each tile's fill and
       epilogue), else 128 x 128 (finer tiles, a shorter ragged wave).
-    `fused`: how many [M, N] inputs the epilogue reads (0: none). From M > 128 on sm_90a, pingpong 128 x 128 in
-    2 x 1 clusters, whose epilogues run under the other warpgroup's MMAs: for 056's g_sw
+    `fused`: how many [M, N] inputs the epilogue reads (0: none). From M > 128 on sm_90a,
+    pingpong 128 x 128 in 2 x 1 clusters, whose epilogues run under the other warpgroup's MMAs: for 056's g_sw
     product (T = 2048, 8192) 1.09 / 1.08x the plain product against 1.12 / 1.18x with the
     cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md);
     with K <= SHORT_K and one input, eight slots of input pieces instead of two.
@@ -208,8 +208,9 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     if fused and arch == "sm_90a":
         # Short K (056's softmax_bwd, K = head_dim: three k-tiles): the epilogue is the work, so
         # eight slots of input pieces (the whole tile) load ahead instead of two, taking shared
-        # memory the short main loop does not need (with one input: three would leave it one stage). g_s at 449 x 16: 0.204 ms against 0.279
-        # (256 x 32: 0.141 against 0.179; session 17 sweep).
+        # memory the short main loop does not need. One input only: dSwiGLU's three inputs in
+        # eight slots would leave the main loop one stage. g_s at 449 x 16: 0.204 ms against
+        # 0.279 (256 x 32: 0.141 against 0.179; session 17 sweep).
         return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=True,
                           epilogue_input_stages=SHORT_K_INPUT_STAGES if k <= SHORT_K and fused == 1 else 2)
     if 110 <= -(-m // 256) * -(-n // 160) <= 132 and arch == "sm_90a":
