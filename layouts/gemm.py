@@ -185,7 +185,8 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     pingpong 128 x 128 in 2 x 1 clusters, whose epilogues run under the other warpgroup's MMAs: for 056's g_sw
     product (T = 2048, 8192) 1.09 / 1.08x the plain product against 1.12 / 1.18x with the
     cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md);
-    with K <= SHORT_K and one input, eight slots of input pieces instead of two.
+    with K <= SHORT_K and one input (softmax_bwd's P; 'add' too, its C read as the input, not
+    timed that way), eight slots of input pieces instead of two.
     `group_n`: tiles exactly that many columns wide (`row_dot` sums rows per tile,
     `rope_inverse` rotates one head a tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
     2 x 1 clusters from M > 128. Not swept.
@@ -208,8 +209,9 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     if fused and arch == "sm_90a":
         # Short K (056's softmax_bwd, K = head_dim: three k-tiles): the epilogue is the work, so
         # eight slots of input pieces (the whole tile) load ahead instead of two, taking shared
-        # memory the short main loop does not need. One input only: dSwiGLU's three inputs in
-        # eight slots would leave the main loop one stage. g_s at 449 x 16: 0.204 ms against
+        # memory the short main loop does not need. One input only (softmax_bwd, and 'add', whose
+        # short-K speed was not timed): dSwiGLU's three inputs in eight slots would leave the
+        # main loop one stage. g_s at 449 x 16: 0.204 ms against
         # 0.279 (256 x 32: 0.141 against 0.179; session 17 sweep).
         return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=True,
                           epilogue_input_stages=SHORT_K_INPUT_STAGES if k <= SHORT_K and fused == 1 else 2)
