@@ -56,16 +56,19 @@ from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
 INPUTS = contract.INPUTS[:-1]
 OUTPUTS = contract.OUTPUTS
 TMA_STRIDE = 8  # bf16 elements in 16 bytes: TMA's stride granule
-# The FFN's dSwiGLU and summed products up to this many tokens take _ffn_tilings' picks instead of
-# the GEMM core's rules (fitted at 2048 and 8192). Session 16 sweep on the H200 at 256 / 613 /
-# 1382 tokens, ms per product: dSwiGLU 128x256c2x1 0.086 / 0.213 / 0.375 against the rules'
-# pingpong 128x128c2x1 0.088 / 0.259 / 0.427 (128x128 pingpong without a cluster 0.132 / 0.209 /
-# 0.388); summed g_ffn 128x128c2x1 0.167 at 256 and 128x256c2x1 0.320 / 0.689 at 613 / 1382
-# against the rules' 128x160c2x1 0.197 / 0.390 / 0.734. (cuBLAS for the same products: go . Wd
-# 0.068 / 0.166 / 0.267, gate . Wg + up . Wu 0.139 / 0.270 / 0.529: at these sizes the GEMM core
-# itself is the gap.)
-FFN_TILINGS_MAX_TOKENS = 1536
-WIDE = GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
+# The summed g_ffn product (N = hidden, K = 2 x intermediate) at 129-256 tokens (two tile rows)
+# takes 128 x 128 tiles in 2 x 1 clusters instead of the rules' 128 x 160 (at 256 tokens, ms:
+# 0.141 against 0.174, cuBLAS's two products 0.138); the FFN's other products take the GEMM
+# core's rules.
+# Session 16's 128 x 256 tiles for both FFN products at 129-1536 tokens lost to the rules once
+# their clusters fit odd tile-row counts (layouts.gemm.even_clusters). Session 18, candidates
+# timed interleaved on the H200, at 422 / 613 / 1024 / 1172 / 1382 tokens, ms:
+# - dSwiGLU: 128 x 256 0.135 / 0.162 / 0.256 / 0.321 / 0.366, the rules 0.145 / 0.149 / 0.229 /
+#   0.310 / 0.316 (cuBLAS's plain go . Wd 0.094 / 0.141 / 0.221 / 0.268 / 0.290);
+# - summed: 128 x 256 0.289 / 0.336 / 0.441 / 0.540 / 0.656, the rules 0.227 / 0.308 / 0.446 /
+#   0.546 / 0.650.
+SHORT_SUMMED_TOKENS = (129, 256)
+SHORT_SUMMED = GemmTiling(tile_m=128, tile_n=128, cluster_m=2)
 
 _checked: set = set()  # (b, s, dims, device) whose full argument check has passed once
 
@@ -134,10 +137,10 @@ def _backward(args, eps, dims, outs):
         torch.sum(per_q_head.view(batch, kv_heads, q_heads // kv_heads, seq, head_dim), dim=2, out=heads(into))
 
     go = flat(grad_output)
-    dswiglu_tiling, summed_tiling = _ffn_tilings(tokens)
+    low, high = SHORT_SUMMED_TOKENS
+    summed_tiling = SHORT_SUMMED if low <= tokens <= high else None
     # 1-4: the SwiGLU FFN.
-    g_gate, g_up = matmul_nt(go, down_weight.t(), epilogue="dswiglu", inputs=(flat(gate), flat(up), flat(silu_up)),
-                             tiling=dswiglu_tiling)
+    g_gate, g_up = matmul_nt(go, down_weight.t(), epilogue="dswiglu", inputs=(flat(gate), flat(up), flat(silu_up)))
     matmul_nt(go.t(), flat(swiglu_output).t(), out=grad_down_weight)
     g_ffn = matmul_nt_summed([(g_gate, gate_weight.t()), (g_up, up_weight.t())], out_dtype=fp32,
                              tiling=summed_tiling)
@@ -190,14 +193,6 @@ def _backward(args, eps, dims, outs):
                                             variance1, eps, input_ln_weight, g_attn, grad_input,
                                             grad_input_ln_weight)
     return outs
-
-
-def _ffn_tilings(tokens: int):
-    """(dSwiGLU product, summed g_ffn product) tilings; None: the GEMM core's rules (also at 128
-    tokens or fewer, where they pick short-M tilings; not swept here)."""
-    if tokens > FFN_TILINGS_MAX_TOKENS or tokens <= 128:
-        return None, None
-    return WIDE, GemmTiling(tile_m=128, tile_n=128, cluster_m=2) if tokens <= 384 else WIDE
 
 
 def _tma_rows(scores):

@@ -20,8 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from ..layouts.gemm import GemmTiling, default_tiling, stream_k_count, stream_k_plan, stream_k_range, \
-    stream_k_segment, tile_coord, tuned_tiling
+from ..layouts.gemm import GemmTiling, default_tiling, even_clusters, stream_k_count, stream_k_plan, \
+    stream_k_range, stream_k_segment, tile_coord, tuned_tiling
 from . import runtime
 from .epilogue import ADD, KINDS, STORE, Epilogue, check_epilogue_tensors
 from .rows import VECTOR, wide_copy  # a partial tile moves VECTOR fp32 accumulators per 16-byte access
@@ -532,7 +532,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
     group_n = n // rows.shape[1] if epilogue.row_sums else inputs[0].shape[1] if epilogue.tables else None
     # plain products: the tuner's pick for the shape bucket where it has one
     tuned = tuned_tiling(m, n, k, a_k_major, b_k_major, arch) if tiling is None and epilogue is STORE else None
-    chosen = choose_tiling(tiling or tuned, m, n, k, arch, epilogue, group_n)
+    chosen = choose_tiling(tiling, m, n, k, arch, epilogue, group_n, tuned=tuned)
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue.name, rows, epilogue.alpha, inputs)] = _Call(
         *_kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, epilogue), chosen, m, n, k, a.device,
@@ -541,11 +541,13 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
 
 
 def choose_tiling(tiling, m: int, n: int, k: int, arch: str, epilogue: Epilogue, group_n,
-                  batches: int = 1) -> GemmTiling:
-    """The tiling asked for, or the default one (for a batch of `batches` products); an epilogue
-    that works per column group (row sums, tables: `group_n` columns) needs tiles exactly one
-    group wide."""
-    chosen = tiling or default_tiling(m, n, k, arch, fused=len(epilogue.inputs), group_n=group_n, batches=batches)
+                  batches: int = 1, tuned: GemmTiling | None = None) -> GemmTiling:
+    """The tiling asked for, as it is; else the tuner's pick or the default one (for a batch
+    of `batches` products), its cluster fitted to M's tile count (layouts.gemm.even_clusters).
+    An epilogue that works per column group (row sums, tables: `group_n` columns) needs tiles
+    exactly one group wide."""
+    chosen = tiling or even_clusters(tuned or default_tiling(m, n, k, arch, fused=len(epilogue.inputs),
+                                                             group_n=group_n, batches=batches), m, n, arch)
     if group_n and chosen.tile_n != group_n:
         raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
                          f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")

@@ -440,7 +440,8 @@ class Sm100Gemm:
                                                        tma_c, sync, stores, is_store_warp, done + s, m, n, l, s,
                                                        subtiles, row_value)
                 if cutlass.const_expr(self.epilogue.row_sums):
-                    if row < cute.size(tensors[0], mode=[0]):
+                    # rows inside M, tile columns inside N (a cluster can hold one past it)
+                    if row < cute.size(tensors[0], mode=[0]) and n < cute.size(tensors[0], mode=[1]):
                         tensors[0][row, n] = row_total
                 done += subtiles
             # every epilogue warp has read this accumulator buffer: hand it back to the MMA warp

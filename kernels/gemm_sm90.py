@@ -547,7 +547,8 @@ def store_row_sums(terms, coords, row_sums, m, n, tile_m: int):
     """Tile (m, n)'s row sums: `terms` holds each accumulator's row term in the MMA layout
     (mma_rows); each thread adds its columns of a row in a fixed order, then its quad's four
     lanes are added (quad_sum), and the quad's first lane writes row_sums[row, n] for rows
-    inside M."""
+    inside M, in tile columns inside N (a 1 x 2 cluster over an odd count of tile columns has
+    one past it)."""
     lane = cute.arch.lane_idx()
     for block, half, row in mma_rows(terms, coords, m, tile_m):
         total = Float32(0.0)
@@ -555,7 +556,7 @@ def store_row_sums(terms, coords, row_sums, m, n, tile_m: int):
             for column in cutlass.range_constexpr(2):
                 total = total + terms[(column, half, column_block), block, 0]
         total = quad_sum(total)
-        if lane % 4 == 0 and row < cute.size(row_sums, mode=[0]):
+        if lane % 4 == 0 and row < cute.size(row_sums, mode=[0]) and n < cute.size(row_sums, mode=[1]):
             row_sums[row, n] = total
 
 
@@ -623,7 +624,10 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_m=256, tile_n=160), True, False, "bfloat16"),
+    # a 1 x 2 cluster (A multicast): what a 2 x 1 pick turns into over an odd count of tile rows
+    (GemmTiling(tile_n=256, cluster_n=2), True, False, "bfloat16"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),
+    (GemmTiling(tile_n=256, cluster_n=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw at 613 tokens
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
     # 056's g_ao = g_attn . Wo with D = rowsum(g_ao * P v) per head (160 columns)

@@ -229,6 +229,25 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     return GemmTiling(tile_m=128, tile_n=128, cluster_m=2)
 
 
+def even_clusters(tiling: GemmTiling, m: int, n: int, arch: str = "sm_90a") -> GemmTiling:
+    """A rule's or the tuner's tiling (both read off token counts of an even number of 128-row
+    tiles) fitted to this M: a 2 x 1 cluster over an odd count of tile rows leaves one CTA of
+    its last cluster row without a tile for the whole K loop (613 tokens: five rows, three
+    cluster rows, 1/6 of the CTAs idle). Such a cluster turns to 1 x 2 (the pair shares the A
+    tile instead of B's) where N's tile count is even, else goes. sm_90a only: sm_100a's 2 x 1
+    pairs run one 2-CTA MMA, a different trade, and no Blackwell GPU is here to time it.
+    Session 18 sweep on the H200, ms (2 x 1 / 1 x 2 / none; cuBLAS):
+    - 613 tokens, go . Wd (N = 14336, K = 5120), 128 x 256: 0.168 / 0.146 / 0.148 (0.143);
+      128 x 128 pingpong: 0.225 / 0.152 / 0.180;
+    - 1382 tokens, the same, 128 x 128 pingpong: 0.403 / 0.302 / 0.357 (0.274);
+      gate . Wg (K = 14336): 0.392 / 0.316 / 0.350 (0.317);
+    - even counts keep 2 x 1, which was faster there: 422 tokens, go . Wd 128 x 256
+      0.135 / 0.161 / 0.158."""
+    if arch != "sm_90a" or (tiling.cluster_m, tiling.cluster_n) != (2, 1) or -(-m // tiling.tile_m) % 2 == 0:
+        return tiling
+    return dataclasses.replace(tiling, cluster_m=1, cluster_n=2 if -(-n // tiling.tile_n) % 2 == 0 else 1)
+
+
 # The tuner's table (tools/tune.py): per arch, the measured best tiling of each plain product's
 # shape bucket. Dispatch takes it before the rules above; a bucket the tuner never ran falls
 # back to them.

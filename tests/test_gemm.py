@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from cutebwd.layouts.gemm import GemmTiling, default_tiling, tile_coord
+from cutebwd.layouts.gemm import GemmTiling, default_tiling, even_clusters, tile_coord
 from cutebwd.tools.parity import relative_error
 
 
@@ -61,6 +61,25 @@ def test_short_k_fused_products_load_more_epilogue_inputs_ahead():
     default_tiling(449, 449, 160, fused=1, batches=512).check_sm90()
 
 
+def test_odd_tile_rows_turn_the_cluster_along_n():
+    """A 2 x 1 cluster over an odd count of tile rows would idle one CTA of its last cluster row:
+    the cluster turns to 1 x 2 where N's tiles pair up, else goes; even counts, sm_100a's 2-CTA
+    pairs and tilings asked for by name keep theirs."""
+    from cutebwd.kernels.epilogue import STORE
+    from cutebwd.kernels.gemm import choose_tiling
+
+    wide = GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
+    assert even_clusters(wide, 613, 14336) == GemmTiling(tile_m=128, tile_n=256, cluster_n=2)
+    assert even_clusters(wide, 422, 14336) == wide  # four tile rows
+    assert even_clusters(wide, 613, 14336, "sm_100a") == wide
+    assert even_clusters(GemmTiling(tile_m=64, tile_n=128, cluster_m=2), 100, 5120).cluster_m == 2  # two 64-row tiles
+    # 056's P . v at s = 293: three tile rows, one 160-column tile: no cluster
+    assert choose_tiling(None, 293, 160, 293, "sm_90a", STORE, None, batches=8) == GemmTiling(tile_m=128, tile_n=160)
+    assert choose_tiling(wide, 613, 14336, 5120, "sm_90a", STORE, None) == wide
+    for tiling in (even_clusters(wide, 613, 14336), even_clusters(default_tiling(1382, 14336, 5120), 1382, 14336)):
+        tiling.check_sm90()
+
+
 @pytest.mark.parametrize("a,b,error", [
     (torch.zeros(8, 64), torch.zeros(8, 64, dtype=torch.bfloat16), TypeError),  # a is fp32
     (torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16), ValueError),  # on the CPU
@@ -79,7 +98,8 @@ def _reference(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_view,b_view", [("k", "n"), ("m", "n"), ("k", "k")])
 @pytest.mark.parametrize("m,n,k", [(128, 128, 64), (296, 520, 64), (1000, 776, 1000), (2048, 5120, 512)])
-@pytest.mark.parametrize("variant", ["default", "cluster 2x1", "pingpong", "pingpong, cluster 2x1", "256x160"])
+@pytest.mark.parametrize("variant", ["default", "cluster 2x1", "pingpong", "pingpong, cluster 2x1", "256x160",
+                                     "cluster 1x2", "pingpong, cluster 1x2"])
 def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, variant):
     """Sizes that are not tile multiples (TMA bounds), K = 64 (one k-tile), both operand
     majors, cooperative and pingpong consumers, 256-row tiles (two 64-row blocks a warpgroup);
@@ -94,7 +114,8 @@ def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, variant):
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     tiling = {"default": default_tiling(m, n, k), "cluster 2x1": dataclasses.replace(default_tiling(m, n, k), cluster_m=2),
               "pingpong": GemmTiling(pingpong=True), "pingpong, cluster 2x1": GemmTiling(pingpong=True, cluster_m=2),
-              "256x160": GemmTiling(tile_m=256, tile_n=160)}[variant]
+              "256x160": GemmTiling(tile_m=256, tile_n=160), "cluster 1x2": GemmTiling(tile_n=256, cluster_n=2),
+              "pingpong, cluster 1x2": GemmTiling(pingpong=True, cluster_n=2)}[variant]
     matmul_nt(a, b, out=out, tiling=tiling)
     ref = _reference(a, b)
     assert not out.isnan().any()

@@ -67,7 +67,8 @@ def _close(got, want, bound=1e-2):
 
 
 TILINGS = [None, GemmTiling(tile_n=256, cluster_m=2), GemmTiling(pingpong=True, cluster_m=2),
-           GemmTiling(tile_m=256, tile_n=160), GemmTiling(tile_m=64, tile_n=128, cluster_m=2)]
+           GemmTiling(tile_m=256, tile_n=160), GemmTiling(tile_m=64, tile_n=128, cluster_m=2),
+           GemmTiling(tile_n=256, cluster_n=2)]
 
 
 @pytest.mark.gpu
@@ -152,7 +153,8 @@ def _row_dot_case(m, heads, k, seed, head_dim=160):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", [None, GemmTiling(tile_n=160), GemmTiling(tile_m=256, tile_n=160)],
+@pytest.mark.parametrize("tiling", [None, GemmTiling(tile_n=160), GemmTiling(tile_m=256, tile_n=160),
+                                    GemmTiling(tile_n=160, cluster_n=2)],
                          ids=lambda t: t.spec if t else "default")
 @pytest.mark.parametrize("m,heads,k,stream_k", [(300, 3, 200, None), (1000, 5, 2600, True), (128, 32, 512, None),
                                                 (77, 1, 5120, None)])

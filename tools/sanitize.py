@@ -168,6 +168,12 @@ CASES = {
                                                          cluster_m=2),
     "gemm epilogue row_dot, 160-column heads, stream-K": _gemm_case(1000, 800, 1000, stream_k=True,
                                                                     epilogue="row_dot"),
+    # a 1 x 2 cluster over 5 tile rows (what even_clusters turns 2 x 1 into) and an odd count of
+    # tile columns: the second CTA of the last cluster column has no tile (TMA bounds; row sums
+    # guard the column)
+    "gemm cluster 1x2, odd tile columns": _gemm_case(600, 776, 1000, tile_m=128, tile_n=128, cluster_n=2),
+    "gemm epilogue row_dot, cluster 1x2, five heads": _gemm_case(600, 800, 1000, epilogue="row_dot", tile_m=128,
+                                                                 tile_n=160, cluster_n=2),
     "gemm epilogue softmax_bwd, pingpong (its default), stream-K": _gemm_case(1000, 776, 1000, stream_k=True,
                                                                               epilogue="softmax_bwd"),
     "gemm epilogue rope_inverse, 160-column heads, stream-K": _gemm_case(1000, 800, 1000, stream_k=True,
