@@ -47,7 +47,7 @@ import math
 
 from ..layouts.gemm import GemmTiling
 from ..references import decoder_layer as contract
-from . import rmsnorm_backward
+from . import padded_rows, rmsnorm_backward
 from .gemm import matmul_nt
 from .gemm_batched import matmul_nt_batched
 from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
@@ -197,11 +197,16 @@ def _backward(args, eps, dims, outs):
 
 def _tma_rows(scores):
     """[b, heads, s, s] scores whose rows TMA can step (a 16-byte multiple row stride): the
-    tensor itself, or, at a sequence length that is not a multiple of 8, a copy with padded rows."""
+    tensor itself, or, at a sequence length that is not a multiple of 8, a copy with padded rows
+    (kernels/padded_rows.py: 16-byte stores, where PyTorch's strided copy stores 2 bytes at a
+    time)."""
     if all(scores.stride(i) % TMA_STRIDE == 0 for i in range(3)) and scores.stride(3) == 1:
         return scores
     batch, q_heads, seq, _ = scores.shape
-    return _padded_scores(batch, q_heads, seq, scores.device).copy_(scores)
+    padded = _padded_scores(batch, q_heads, seq, scores.device)
+    if scores.is_contiguous():  # (as the contract makes them) our copy; any other strides: PyTorch's
+        return padded_rows.copy_padded_rows(scores, padded)
+    return padded.copy_(scores)
 
 
 def _padded_scores(batch, q_heads, seq, device):
