@@ -10,8 +10,9 @@ concatenation copy), in one persistent launch of the GEMM core:
 """
 from __future__ import annotations
 
-from ..layouts.gemm import GemmTiling, default_tiling, even_clusters
-from .gemm import _Call, _check, _device_arch, _k_major, _kernel
+from ..layouts.gemm import GemmTiling, default_tiling
+from .epilogue import STORE
+from .gemm import _Call, _check, _device_arch, _k_major, _kernel, choose_tiling
 
 _calls: dict = {}  # (Ms, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> _Call
 
@@ -195,7 +196,7 @@ def _resolve_summed(pairs, out, tiling, c_dtype, stream_k):
     (m, _), n, device = pairs[0][0].shape, pairs[0][1].shape[0], pairs[0][0].device
     arch = _device_arch(device)
     a_k_major, b_k_major = _k_major(pairs[0][0], "pairs[0][0]"), _k_major(pairs[0][1], "pairs[0][1]")
-    chosen = tiling or even_clusters(default_tiling(m, n, sum(ks), arch), m, n, arch)
+    chosen = choose_tiling(tiling, m, n, sum(ks), arch, STORE, None)
     run = _kernel(arch, device, chosen, a_k_major, b_k_major, c_dtype, products=len(pairs), stack="k")
     call = _summed_calls[ks, m, n, a_k_major, b_k_major, c_dtype, device.index, tiling, stream_k] = _Call(
         *run, chosen, m, n, stacked_k(ks, chosen), device, stream_k, getattr(torch, c_dtype))

@@ -45,7 +45,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
-from ..layouts.gemm import SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
+from ..layouts.gemm import SHORT_K_INPUT_STAGES, SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        quad_sum, read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
@@ -638,7 +638,7 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
     # 056's attention backward per (batch, head), read through the [b, s, heads, d] strides:
     # g_s = P * (g_ao . v^T - D) / sqrt(160), and g_q = inverse RoPE of g_s . k_rep
-    (GemmTiling(pingpong=True, cluster_m=2, epilogue_input_stages=8), True, True, "bfloat16",
+    (GemmTiling(pingpong=True, cluster_m=2, epilogue_input_stages=SHORT_K_INPUT_STAGES), True, True, "bfloat16",
      dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5), 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
     # 056's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
