@@ -42,6 +42,11 @@ from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake
                    load_remote_vector, read_row, ring_stages, row_sum, rows_view, thread_split, vector, wide_copy)
 
 TARGET_VECTORS_PER_THREAD = 5  # H = 2560 -> 128 threads x 5 vectors, no predication
+# 056's form (one CTA per SM, three-row ring): 640 threads x 2 vectors at H = 5120. Session 19,
+# interleaved on the H200, us per pass at 7184 / 2048 / 613 / 256 rows: 127.2 / 42.9 / 14.6 / 11.4
+# against 138.4 / 46.2 / 15.4 / 11.6 at 256 x 5 (320 x 4 and 448 x 3 slower still; two or three
+# CTAs per SM without a ring slower too). 7184 rows is 515 MB: 95% of copy bandwidth.
+DECODER_VECTORS_PER_THREAD = 2
 PREFETCH_MAX_BYTES = 56 * 1024  # ring size per CTA: four CTAs per SM still fit
 MAX_STAGES = 4  # H = 2560: 2 stages (51 KB) with normalized, 3 (46 KB) without
 # The one-launch path: 16 CTAs, a non-portable cluster size (the op asks the driver whether the
@@ -91,7 +96,8 @@ class FusedResidualRmsNormBackward:
         self.form = form
         self.clustered = clusters > 0  # the one-launch path: CTAs in clusters, sums across them
         self.clusters = clusters
-        self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
+        self.threads, self.vectors_per_thread, self.warps = thread_split(
+            hidden, DECODER_VECTORS_PER_THREAD if form.residual_grad else TARGET_VECTORS_PER_THREAD)
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
         # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
         # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a

@@ -161,6 +161,13 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
     return first_m + within % rows, within // rows
 
 
+# Split-K for a single product of few tiles (default_tiling's group_n rule): at most about half
+# the H200's 132 SMs' worth of tiles, so each tile's K is cut at least in two, and K long enough
+# that the stream-K hand-over pays (gemm.MIN_K_TILES 64-deep k-tiles).
+SPLIT_MAX_TILES = 66
+SPLIT_MIN_K = 2048
+
+
 def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
                    group_n: int | None = None, batches: int = 1) -> GemmTiling:
     """The tiling for a product until the tuner's table exists: rules read off two sweeps of
@@ -189,7 +196,11 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     timed that way), eight slots of input pieces instead of two.
     `group_n`: tiles exactly that many columns wide (`row_dot` sums rows per tile,
     `rope_inverse` rotates one head a tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
-    2 x 1 clusters from M > 128. Not swept.
+    2 x 1 clusters from M > 128. A single product of at most SPLIT_MAX_TILES such tiles with
+    K >= SPLIT_MIN_K deals its k-iterations out over every SM (split_k): 056's g_ao (row_dot,
+    N = K = 5120, 160-column tiles) at 128 / 256 tokens, 32 / 64 tiles, took 37.6 / 38.4 us
+    one CTA a tile and 29.0 / 32.5 split (cuBLAS's plain product 20.3 / 26.0); at 422 and 613
+    tokens (128 and 160 tiles) the split lost (50.6 / 74.5 against 47.2 / 58.2; session 19).
     `batches` > 1 (a batched product, 056's attention: hundreds of [s, d] products per call,
     so the batch fills the SMs, not the tile size) and N at most 256: one tile spans N, 128 rows,
     cooperative, 2 x 1 clusters from M > 128. P . v and P^T . g_ao at 449 x 16 (N = d = 160):
@@ -197,7 +208,8 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     (256 x 32: 0.102 / 0.115 against 0.149 / 0.155; session 17 sweep)."""
     if group_n:
         return GemmTiling(tile_m=128, tile_n=group_n, cluster_m=2 if m > 128 else 1,
-                          pingpong=arch == "sm_90a" and group_n <= 128)
+                          pingpong=arch == "sm_90a" and group_n <= 128,
+                          split_k=batches == 1 and k >= SPLIT_MIN_K and -(-m // 128) * -(-n // group_n) <= SPLIT_MAX_TILES)
     if batches > 1 and not fused and n <= 256 and n % 32 == 0:
         return GemmTiling(tile_m=128, tile_n=n, cluster_m=2 if m > 128 else 1)
     if m <= 128 and n >= 8192:

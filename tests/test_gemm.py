@@ -52,6 +52,18 @@ def test_batched_head_products_take_one_head_a_tile():
         getattr(default_tiling(449, 160, 449, arch, batches=512), check)()
 
 
+def test_few_column_group_tiles_split_k():
+    """One product of few tiles a column group wide and long K (056's g_ao at <= 256 tokens:
+    32 / 64 tiles of 128 x 160) deals its k-iterations out over every SM."""
+    from cutebwd.layouts.gemm import even_clusters
+
+    assert default_tiling(128, 5120, 5120, fused=1, group_n=160) == GemmTiling(tile_m=128, tile_n=160, split_k=True)
+    assert even_clusters(default_tiling(256, 5120, 5120, fused=1, group_n=160), 256, 5120).spec == "128x160c2x1s"
+    assert not default_tiling(422, 5120, 5120, fused=1, group_n=160).split_k  # 128 tiles: one a CTA
+    assert not default_tiling(128, 5120, 512, fused=1, group_n=160).split_k  # short K
+    assert not default_tiling(128, 160, 5120, group_n=160, batches=32).split_k  # a batch fills the SMs itself
+
+
 def test_short_k_fused_products_load_more_epilogue_inputs_ahead():
     """056's softmax_bwd (K = head_dim) is epilogue-bound on sm_90a: eight input slots; the
     dSwiGLU product (K = hidden) keeps two, for its main loop's stages."""
