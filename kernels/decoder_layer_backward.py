@@ -16,8 +16,8 @@ lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
     8     g_s = P * (g_ao . v_rep^T - D) / sqrt(d) per (batch, head)         batched, softmax_bwd
     9     dq = inverse RoPE of g_s . k_rep, into dq's head view              batched, rope_inverse
     10    dk = the groups' sums of inverse RoPE of g_s^T . q_rot             batched, rope_inverse,
-                                                                             then a PyTorch sum
-    11    dv = the groups' sums of P^T . g_ao                                batched, then a PyTorch sum
+                                                                             then a group sum
+    11    dv = the groups' sums of P^T . g_ao                                batched, then a group sum
     12    g_ai = dq . Wq + dk . Wk + dv . Wv (fp32 [T, H])                   summed
     13    grad_q/k/v_weight = [dq; dk; dv]^T . attn_input                    grouped
     14    grad_input = bf16(g_attn + rms_dx(g_ai * w1, residual, rstd1)) and row kernel
@@ -34,8 +34,9 @@ inputs are independent draws.
 Where this first version leaves the plan (each measured in the closing notes, none hidden):
 - g_ffn and g_ai are fp32 [T, H]: the norm-weight gradients are fp32 sums over T rows of
   them, and bf16 rounding there would cost ~1e-3 relative error against a 1e-4 bar.
-- The group sums of steps 10-11 (four query heads per kv head) are PyTorch sums over per-query-
-  head bf16 products: the GEMM core's batched and summed modes do not combine yet.
+- The group sums of steps 10-11 (four query heads per kv head) are a pass over per-query-head
+  bf16 products (kernels/head_groups.py): the GEMM core's batched and summed modes do not
+  combine yet.
 - D leaves step 6 as [T, heads] and softmax_bwd reads it per head with unit stride: a
   [b, heads, s] copy (T * heads * 4 bytes).
 - attn_weights are read by TMA, whose row strides must be 16-byte multiples: at a sequence
@@ -47,7 +48,7 @@ import math
 
 from ..layouts.gemm import GemmTiling
 from ..references import decoder_layer as contract
-from . import padded_rows, rmsnorm_backward
+from . import head_groups, padded_rows, rmsnorm_backward
 from .gemm import matmul_nt
 from .gemm_batched import matmul_nt_batched
 from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
@@ -134,7 +135,7 @@ def _backward(args, eps, dims, outs):
         return t.view(batch, seq, -1, head_dim).transpose(1, 2)
 
     def group_sums(per_q_head, into):  # [b, q_heads, s, d] -> into's [b, kv_heads, s, d] view, in one pass
-        torch.sum(per_q_head.view(batch, kv_heads, q_heads // kv_heads, seq, head_dim), dim=2, out=heads(into))
+        head_groups.sum_head_groups(per_q_head, heads(into))
 
     go = flat(grad_output)
     low, high = SHORT_SUMMED_TOKENS
