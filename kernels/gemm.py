@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from ..layouts.gemm import GemmTiling, default_tiling, even_clusters, stream_k_count, stream_k_plan, \
+from ..layouts.gemm import MIN_K_TILES, GemmTiling, default_tiling, even_clusters, stream_k_count, stream_k_plan, \
     stream_k_range, stream_k_segment, tile_coord, tuned_tiling
 from . import runtime
 from .epilogue import ADD, KINDS, STORE, Epilogue, check_epilogue_tensors
@@ -462,9 +462,6 @@ _calls: dict = {}
 
 
 MIN_ITERATIONS = 4  # k-iterations a stream-K share must have to be worth its partial-tile traffic
-# Nor is stream-K worth it on short K, where a partial tile's hand-over costs a few k-tiles of MMAs:
-# measured on the H200 (gemm-notes step 18), it cost 3-12% at 8 and 20 k-tiles and paid from 32.
-MIN_K_TILES = 32
 
 
 class _Call:

@@ -161,11 +161,14 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
     return first_m + within % rows, within // rows
 
 
+# Stream-K does not pay on short K, where a partial tile's hand-over costs a few k-tiles of MMAs:
+# measured on the H200 (gemm-notes step 18), it cost 3-12% at 8 and 20 k-tiles and paid from 32.
+MIN_K_TILES = 32
 # Split-K for a single product of few tiles (default_tiling's group_n rule): at most about half
-# the H200's 132 SMs' worth of tiles, so each tile's K is cut at least in two, and K long enough
-# that the stream-K hand-over pays (gemm.MIN_K_TILES 64-deep k-tiles).
+# the H200's 132 SMs' worth of tiles, so each tile's K is cut at least in two, and K of at least
+# MIN_K_TILES whole k-tiles, so the hand-over pays.
 SPLIT_MAX_TILES = 66
-SPLIT_MIN_K = 2048
+SPLIT_MIN_K = MIN_K_TILES * GemmTiling.tile_k
 
 
 def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
