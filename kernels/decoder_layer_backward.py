@@ -174,8 +174,7 @@ def _backward(args, eps, dims, outs):
     # where there is one (this epilogue is P's last reader, and it reads each piece of P before
     # it writes the same piece of g_s; tiles are disjoint), which saves 210 MB at 449 x 16.
     g_s = probs if probs is not attn_weights else _padded_scores(batch, q_heads, seq, device)
-    d_heads = torch.empty(batch, q_heads, seq, dtype=fp32, device=device)  # unit stride along s, as read
-    d_heads.copy_(d_rows.view(batch, seq, q_heads).transpose(1, 2))
+    d_heads = d_rows.view(batch, seq, q_heads).transpose(1, 2)  # [b, heads, s], read in place (stride q_heads)
     matmul_nt_batched(heads(g_ao), value_states_repeated, out=g_s, epilogue="softmax_bwd", inputs=(probs,),
                       rows=d_heads, alpha=1 / math.sqrt(head_dim))
     del probs, g_ao

@@ -82,8 +82,8 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
     if epilogue.row_sums:  # fp32 [M, groups] row sums, written by plain stores
         out1 = tensor(Float32, (m, cute.sym_int32()), (cute.sym_int64(), 1), 4, aligned_batches=False)
-    if epilogue.row_values:  # fp32 [M] row values, read by plain loads
-        out1 = tensor(Float32, (m,), (1,), 4, aligned_batches=False)
+    if epilogue.row_values:  # fp32 [M] row values, read by plain loads: any stride (056's D is a transposed view)
+        out1 = tensor(Float32, (m,), (cute.sym_int64(),), 4, aligned_batches=False)
     if epilogue.tables:  # bf16 [M, d] tables, read by plain (4-byte) loads
         d = cute.sym_int32()
         inputs = [tensor(BFloat16, (m, d), (cute.sym_int64(divisibility=8), 1), 16) for _ in epilogue.tables]

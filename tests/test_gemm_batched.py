@@ -72,15 +72,19 @@ def test_one_batch_dimension_and_empty_batches():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("s,stream_k", [(200, None), (512, True)])
-def test_batched_softmax_backward(s, stream_k):
-    """g_s = P * (g_p - D) / sqrt(d) per (batch, head), D = rowsum(P * g_p)."""
+@pytest.mark.parametrize("s,stream_k,rows_by_token", [(200, None, False), (200, None, True), (512, True, True)])
+def test_batched_softmax_backward(s, stream_k, rows_by_token):
+    """g_s = P * (g_p - D) / sqrt(d) per (batch, head), D = rowsum(P * g_p); D contiguous, or
+    (rows_by_token) read in place as 056 has it: the [b, heads, s] view of a [b, s, heads] tensor."""
     b, heads, d = 2, 3, 160
     g = torch.Generator(device="cuda").manual_seed(s)
     g_ao, v = _heads(b, s, heads, d, g), _heads(b, s, heads, d, g)
     p = torch.softmax(2 * torch.randn(b, heads, s, s, device="cuda", generator=g), -1).bfloat16()
     g_p = g_ao.float() @ v.float().transpose(-1, -2)
     rows = (p.float() * g_p).sum(-1)
+    if rows_by_token:
+        rows = rows.transpose(1, 2).contiguous().transpose(1, 2)
+        assert rows.stride() == (s * heads, 1, heads)
     want = p.float() * (g_p - rows[..., None]) * d**-0.5
     got = matmul_nt_batched(g_ao, v, epilogue="softmax_bwd", inputs=(p,), rows=rows, alpha=d**-0.5,
                             stream_k=stream_k)
