@@ -106,6 +106,12 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     return (operand(m, a_k_major), operand(n, b_k_major), c, *schedule, *inputs, out1, runtime.env_stream())
 
 
+# Every product is launched as a programmatic dependent of whatever ran before it on the stream:
+# its CTAs take SMs as the previous kernel's retire and set up (barriers, descriptor prefetch)
+# before griddepcontrol.wait, which returns once that kernel is done and its writes are visible.
+LAUNCH_WITH_PDL = True
+
+
 def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
                  arch: str, dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m",
                  batched: bool = False):
@@ -120,8 +126,10 @@ def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool,
         raise ValueError(f"a batch is of single products without row sums, got {products} products, "
                          f"epilogue {epilogue.name!r}")
     cls = kernel_class if products == 1 else kernel_class.Summed if stack == "k" else kernel_class.Grouped
-    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack, batched),
-                                  cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue),
+    pdl = LAUNCH_WITH_PDL
+    return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack, batched,
+                                   pdl),
+                                  cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue, pdl=pdl),
                                   *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack,
                                                   batched),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
