@@ -37,8 +37,6 @@ Where this first version leaves the plan (each measured in the closing notes, no
 - The group sums of steps 10-11 (four query heads per kv head) are a pass over per-query-head
   bf16 products (kernels/head_groups.py): the GEMM core's batched and summed modes do not
   combine yet.
-- D leaves step 6 as [T, heads] and softmax_bwd reads it per head with unit stride: a
-  [b, heads, s] copy (T * heads * 4 bytes).
 - attn_weights are read by TMA, whose row strides must be 16-byte multiples: at a sequence
   length that is not a multiple of 8 they are copied once into padded rows.
 """
