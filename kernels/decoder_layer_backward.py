@@ -15,9 +15,10 @@ lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
     7     grad_o_weight = g_attn^T . attn_output                             plain
     8     g_s = P * (g_ao . v_rep^T - D) / sqrt(d) per (batch, head)         batched, softmax_bwd
     9     dq = inverse RoPE of g_s . k_rep, into dq's head view              batched, rope_inverse
-    10    dk = the groups' sums of inverse RoPE of g_s^T . q_rot             batched, rope_inverse,
-                                                                             then a group sum
-    11    dv = the groups' sums of P^T . g_ao                                batched, then a group sum
+    10    dk = inverse RoPE of the groups' sums of g_s^T . q_rot             batched sums over each
+                                                                             kv head's query heads,
+                                                                             rope_inverse
+    11    dv = the groups' sums of P^T . g_ao                                batched sums
     12    g_ai = dq . Wq + dk . Wk + dv . Wv (fp32 [T, H])                   summed
     13    grad_q/k/v_weight = [dq; dk; dv]^T . attn_input                    grouped
     14    grad_input = bf16(g_attn + rms_dx(g_ai * w1, residual, rstd1)) and row kernel
@@ -34,9 +35,6 @@ inputs are independent draws.
 Where this first version leaves the plan (each measured in the closing notes, none hidden):
 - g_ffn and g_ai are fp32 [T, H]: the norm-weight gradients are fp32 sums over T rows of
   them, and bf16 rounding there would cost ~1e-3 relative error against a 1e-4 bar.
-- The group sums of steps 10-11 (four query heads per kv head) are a pass over per-query-head
-  bf16 products (kernels/head_groups.py): the GEMM core's batched and summed modes do not
-  combine yet.
 - attn_weights are read by TMA, whose row strides must be 16-byte multiples: at a sequence
   length that is not a multiple of 8 they are copied once into padded rows.
 """
@@ -46,7 +44,7 @@ import math
 
 from ..layouts.gemm import GemmTiling
 from ..references import decoder_layer as contract
-from . import head_groups, padded_rows, rmsnorm_backward
+from . import padded_rows, rmsnorm_backward
 from .gemm import matmul_nt
 from .gemm_batched import matmul_nt_batched
 from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
@@ -132,9 +130,6 @@ def _backward(args, eps, dims, outs):
     def heads(t):  # [T, heads * d] -> [b, heads, s, d]
         return t.view(batch, seq, -1, head_dim).transpose(1, 2)
 
-    def group_sums(per_q_head, into):  # [b, q_heads, s, d] -> into's [b, kv_heads, s, d] view, in one pass
-        head_groups.sum_head_groups(per_q_head, heads(into))
-
     go = flat(grad_output)
     low, high = SHORT_SUMMED_TOKENS
     summed_tiling = SHORT_SUMMED if low <= tokens <= high else None
@@ -162,12 +157,15 @@ def _backward(args, eps, dims, outs):
     matmul_nt(flat(g_attn).t(), flat(attn_output).t(), out=grad_o_weight)
     # 9-11 in the order that frees the [b, heads, s, s] tensors soonest (P's padded copy and g_s
     # are each 210 MB at 449 x 16): dv first (P and g_ao only), then g_s, then dq and dk from it.
-    # dq, dk, dv each go into their [T, heads * d] rows through the head view.
+    # dq, dk, dv each go into their [T, heads * d] rows through the head view; dk and dv sum each
+    # kv head's group of query heads inside one product (its group's k-tiles end to end), in
+    # whole tiles: stream-K's ragged-wave split cost more than it saved (449 x 16, us: dv 112 ->
+    # 97, dk 120 -> 103; even at 373 x 8 and 1024 x 2).
+    group, whole_tiles = q_heads // kv_heads, False
     dq = torch.empty(tokens, q_heads * head_dim, dtype=bf16, device=device)
     dk, dv = (torch.empty(tokens, kv_heads * head_dim, dtype=bf16, device=device) for _ in range(2))
-    per_q_head = torch.empty(batch, q_heads, seq, head_dim, dtype=bf16, device=device)
-    matmul_nt_batched(probs.transpose(-1, -2), heads(g_ao).transpose(-1, -2), out=per_q_head)
-    group_sums(per_q_head, dv)
+    matmul_nt_batched(probs.transpose(-1, -2), heads(g_ao).transpose(-1, -2), out=heads(dv), group_sum=group,
+                      stream_k=whole_tiles)
     # 8: g_s per (batch, head), rows padded to TMA's stride granule: written over P's padded copy
     # where there is one (this epilogue is P's last reader, and it reads each piece of P before
     # it writes the same piece of g_s; tiles are disjoint), which saves 210 MB at 449 x 16.
@@ -176,13 +174,15 @@ def _backward(args, eps, dims, outs):
     matmul_nt_batched(heads(g_ao), value_states_repeated, out=g_s, epilogue="softmax_bwd", inputs=(probs,),
                       rows=d_heads, alpha=1 / math.sqrt(head_dim))
     del probs, g_ao
-    tables = tuple(t.unsqueeze(1).expand(batch, q_heads, seq, head_dim) for t in (cos, sin))
+
+    def tables(count):  # cos and sin for `count` heads, a view: one table for all
+        return tuple(t.unsqueeze(1).expand(batch, count, seq, head_dim) for t in (cos, sin))
+
     matmul_nt_batched(g_s, key_states_repeated.transpose(-1, -2), out=heads(dq), epilogue="rope_inverse",
-                      inputs=tables)
-    matmul_nt_batched(g_s.transpose(-1, -2), query_states_rotated.transpose(-1, -2), out=per_q_head,
-                      epilogue="rope_inverse", inputs=tables)
-    group_sums(per_q_head, dk)
-    del g_s, per_q_head
+                      inputs=tables(q_heads))
+    matmul_nt_batched(g_s.transpose(-1, -2), query_states_rotated.transpose(-1, -2), out=heads(dk),
+                      epilogue="rope_inverse", inputs=tables(kv_heads), group_sum=group, stream_k=whole_tiles)
+    del g_s
     # 12-14: the q/k/v projections and the input norm.
     g_ai = matmul_nt_summed([(dq, q_weight.t()), (dk, k_weight.t()), (dv, v_weight.t())], out_dtype=fp32)
     matmul_nt_grouped([dq.t(), dk.t(), dv.t()], flat(attn_input).t(),

@@ -46,7 +46,7 @@ def batch_last(t, matrix_rank: int = 2):
 
 
 def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str, epilogue: Epilogue = STORE,
-                   products: int = 1, stack: str = "m", batched: bool = False):
+                   products: int = 1, stack: str = "m", batched: int = 0):
     """Compile-time stand-ins for (a, b, c, partials, flags, ctas, dp_tiles, per, in0, in1, in2, out1):
     M, N, K, the strides and the stream-K split are runtime values, so every shape that picks a
     tiling shares its build. in0..in2 (the epilogue's inputs) and out1 (its second output) are
@@ -54,22 +54,24 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     a per-row tensor (Epilogue.rows) takes it as out1 (fp32 [M, groups] or [M]), one with
     tables (Epilogue.tables) takes them as in0, in1 (bf16 [M, d]). `batched`: every tensor has
     two leading batch dimensions [L1, L2, ...] (one L1, L2 for all; batch strides multiples of
-    16 bytes except the per-row tensor's; tables may broadcast with stride 0). A group of two or
+    16 bytes except the per-row tensor's; tables may broadcast with stride 0); `batched` = G > 1:
+    A and B have their own batch shape [L1, G * L2] (each C sums G of their products). A group of two or
     three `products` sharing B takes (a0, a1, a2, b, c0, c1, c2, partials, ...) instead, each
     product with its own M (a2 and c2 None for two); a sum of products into one C (stack "k")
     takes (a0, a1, a2, b0, b1, b2, c, partials, ...), each with its own K."""
     c_type = C_DTYPES[c_dtype]
     m, n, k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     batch = (cute.sym_int32(), cute.sym_int32()) if batched else ()
+    operand_batch = (batch[0], cute.sym_int32()) if batched > 1 else batch  # [L1, G * L2]
 
-    def tensor(dtype, shape, stride, align, aligned_batches=True):  # with the batch dimensions first, if any
+    def tensor(dtype, shape, stride, align, aligned_batches=True, batch=batch):  # batch dimensions first, if any
         # batch strides of 16-byte multiples keep every batch's rows as aligned as the first's
         strides = tuple(cute.sym_int64(divisibility=128 // dtype.width if aligned_batches else 1) for _ in batch)
         return runtime.fake_tensor(dtype, (*batch, *shape), (*strides, *stride), align)
 
     def operand(rows, k_major):  # TMA: 16-byte aligned base, 16-byte multiple strides
         stride = (cute.sym_int64(divisibility=8), 1) if k_major else (1, cute.sym_int64(divisibility=8))
-        return tensor(BFloat16, (rows, k), stride, 16)
+        return tensor(BFloat16, (rows, k), stride, 16, batch=operand_batch)
 
     def mn_tensor():  # like C: TMA-loaded (Hopper), 16-byte aligned rows
         return tensor(BFloat16, (m, n), (cute.sym_int64(divisibility=8), 1), 16)
@@ -114,10 +116,13 @@ LAUNCH_WITH_PDL = True
 
 def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
                  arch: str, dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m",
-                 batched: bool = False):
+                 batched: int = 0):
     """One compiled kernel of an arch's main loop per (tiling, operand majors, C dtype, epilogue,
     products: 1, or 2 or 3 stacked along M sharing B (stack "m", the class's `Grouped` entry
-    point) or summed along K into one C (stack "k", `Summed`), batched or not)."""
+    point) or summed along K into one C (stack "k", `Summed`), batched or not). `batched`: 0 (one
+    product), 1 (a batch, C[l] = A[l] . B[l]^T) or G > 1 (a batch of sums over G consecutive
+    products, C[l] = sum over j < G of A[G l + j] . B[G l + j]^T: 056's sums over the query heads
+    of a kv head's group, their k-tiles laid end to end)."""
     if epilogue is not STORE and c_dtype != "bfloat16":
         raise ValueError(f"the {epilogue.name!r} epilogue writes bf16 C, got {c_dtype}")
     if products not in (1, 2, 3) or products > 1 and epilogue is not STORE:
@@ -127,9 +132,11 @@ def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool,
                          f"epilogue {epilogue.name!r}")
     cls = kernel_class if products == 1 else kernel_class.Summed if stack == "k" else kernel_class.Grouped
     pdl = LAUNCH_WITH_PDL
+    batched = int(batched)
     return runtime.compile_kernel((family, tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack, batched,
                                    pdl),
-                                  cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue, pdl=pdl),
+                                  cls(tiling, a_k_major, b_k_major, C_DTYPES[c_dtype], epilogue, pdl=pdl,
+                                      batch_sum=max(1, batched)),
                                   *fake_arguments(tiling, a_k_major, b_k_major, c_dtype, epilogue, products, stack,
                                                   batched),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
@@ -138,7 +145,7 @@ def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool,
 def audit_builds(family: str, build, cases):
     """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
     K-major?, C dtype[, epilogue[, products in a group[, stack "m" or "k"[, batched]]]]); a
-    tiling is named by its `spec`, as bench_gemm names it."""
+    tiling is named by its `spec`, as bench_gemm names it; batched as compile_gemm takes it."""
     builds = {}
     for t, ak, bk, c, *rest in cases:
         epilogue, products = rest[0] if rest else STORE, rest[1] if len(rest) > 1 else 1
@@ -147,7 +154,7 @@ def audit_builds(family: str, build, cases):
         name = f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}" \
                + ("" if epilogue is STORE else f",epilogue {epilogue.name}") \
                + ("" if products == 1 else f",{products} products {'summed' if stack == 'k' else 'stacked'}") \
-               + (",batched]" if batched else "]")
+               + ("]" if not batched else ",batched]" if batched == 1 else f",batch sums of {batched}]")
         builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue, g=products, s=stack, b=batched: \
             build(t, ak, bk, c, arch, dump_dir, e, g, s, b)
     return builds
@@ -287,10 +294,16 @@ def stacked_index(x, starts):
 
 
 @cute.jit
-def load_k_tile(terms, k_starts, product, m, n, k, a_dst, b_dst, barrier, a_mask, b_mask, products, l=0):
+def load_k_tile(terms, k_starts, product, m, n, k, a_dst, b_dst, barrier, a_mask, b_mask, products, l=0,
+                batch_sum: int = 1, k_per=None):
     """The producer's TMA loads of k-tile `k` of tile (m, n) of batch `l` into one ring stage
     (a_dst, b_dst): for a sum of products (k_starts given) the term holding k supplies A and B;
-    for a group sharing B, `product`'s A (`products`: its (atom, k-tiles) first) and the shared B."""
+    for a group sharing B, `product`'s A (`products`: its (atom, k-tiles) first) and the shared B.
+    A batch of sums over `batch_sum` products (`k_per` k-tiles each): k-tile k of C's batch l is
+    k-tile k % k_per of A's and B's batch batch_sum * l + k // k_per."""
+    if cutlass.const_expr(batch_sum > 1):
+        l = l * batch_sum + k // k_per
+        k = k % k_per
     if cutlass.const_expr(len(k_starts) > 0):
         term, kk = stacked_index(k, k_starts)
         for i in cutlass.range_constexpr(len(terms)):
@@ -509,7 +522,7 @@ def _device_arch(device) -> str:
 
 
 def _kernel(arch: str, device, chosen: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
-            epilogue: Epilogue = STORE, products: int = 1, stack: str = "m", batched: bool = False):
+            epilogue: Epilogue = STORE, products: int = 1, stack: str = "m", batched: int = 0):
     """(TVM-FFI function, clusters the GPU holds at once) of the build for `chosen`, compiled once
     per key (the whole epilogue is in it, softmax_bwd's alpha included); split_k is the host's
     schedule alone, so it is not part of the build."""

@@ -6,7 +6,10 @@ g_p = g_ao . v_rep^T with g_ao the [b, 32, s, d] view of a [b, s, 32 * d] tensor
 The batch's tiles are laid end to end in one schedule (waves, stream-K), and every fused
 epilogue but row_dot works per product: softmax_bwd with P [.., M, N] and D [.., M],
 rope_inverse with cos/sin [.., M, d] (a table shared by heads is an expand()ed view, stride 0:
-tables are read by plain loads, not TMA).
+tables are read by plain loads, not TMA). A batch may also sum G consecutive products into each
+output (`group_sum`): 056's dk and dv, each kv head's sum over its group of query heads, as one
+product with the group's k-tiles laid end to end (K = G s), not G per-head products and a pass
+adding them.
 """
 from __future__ import annotations
 
@@ -16,24 +19,28 @@ from ..layouts.gemm import GemmTiling
 from .gemm import (ADD_NEEDS_OUT, _Call, _check_call, _device_arch, _epilogue_key, _epilogue_kind, _kernel, choose_tiling,
                    run_call)
 
-# (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue) -> _Call
+# (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue, group_sum) -> _Call
 _calls: dict = {}
 
 
 def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None,
                       stream_k: bool | None = None, epilogue: str = "store", inputs=(), out2=None, rows=None,
-                      alpha: float = 1.0):
+                      alpha: float = 1.0, group_sum: int = 1):
     """out[l] = A[l] . B[l]^T for a [L1, L2, M, K] (or [L, M, K]) bf16 `a` and [.., N, K] `b`,
     the same batch shape, fp32 accumulation, bf16 or fp32 `out` [.., M, N] (allocated when
     None). Each matrix as matmul_nt takes it (either of its two dimensions contiguous); the
     batch strides of every tensor moved by TMA must be multiples of 16 bytes. `epilogue`,
     `inputs`, `out2`, `rows`, `alpha` as matmul_nt's, each tensor with the batch dimensions
-    in front (rows [.., M]; rope tables [.., M, d]); row_dot is not batched. Returns out (and
-    out2 for dswiglu)."""
+    in front (rows [.., M]; rope tables [.., M, d]); row_dot is not batched. `group_sum` G > 1:
+    a and b are [L1, G * L2, ..] and every other tensor [L1, L2, ..], out[l1, l2] = sum over
+    j < G of a[l1, G * l2 + j] . b[l1, G * l2 + j]^T, accumulated in fp32 and rounded once (the
+    query heads h = G * l2 + j of 056's kv head l2). Returns out (and out2 for dswiglu)."""
     import torch
 
     if epilogue == "add" and out is None:
         raise ValueError(ADD_NEEDS_OUT)
+    if not isinstance(group_sum, int) or group_sum < 1:
+        raise ValueError(f"group_sum: expected a positive int (products summed into each output), got {group_sum!r}")
     if epilogue == "row_dot":
         raise ValueError("epilogue: 'row_dot' is not batched (its row sums are per tile column of one product)")
     c_dtype = "float32" if (out is not None and out.dtype == torch.float32) or out_dtype == torch.float32 \
@@ -43,22 +50,28 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
     try:
         # the batch size is in the key: it sets the schedule's tile count
         (l1, l2, m, k), n = a4.shape, b4.shape[2]
+        # (the C entry point checks every extent but this one: a's and b's batch against out's)
+        l2, ragged = divmod(l2, group_sum)
+        if ragged or out4 is not None and out4.shape[1] != l2:
+            raise ValueError("not a batch sum's shapes: the full checks say why")
         key = (l1 * l2, m, n, k, a4.stride(3) == 1, b4.stride(3) == 1, c_dtype, a4.get_device(), tiling, stream_k,
-               _epilogue_key(epilogue, rows4, alpha, inputs4))
+               _epilogue_key(epilogue, rows4, alpha, inputs4), group_sum)
         call = _calls[key]
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-        call = _resolve(a4, b4, out4, tiling, c_dtype, stream_k, epilogue, inputs4, out2_4, rows4, alpha)
+        call = _resolve(a4, b4, out4, tiling, c_dtype, stream_k, epilogue, inputs4, out2_4, rows4, alpha, group_sum)
         (l1, l2, m, k), n = a4.shape, b4.shape[2]
+        l2 //= group_sum
+    batch_shape = (*a.shape[:-3], l2)  # the outputs', as a's dimensions go ([L] or [L1, L2])
     if out is None:
         out4 = torch.empty((l1, l2, m, n), dtype=call.out_dtype, device=call.device)
-        out = out4.view(*a.shape[:-2], m, n)
+        out = out4.view(*batch_shape, m, n)
     if epilogue == "dswiglu" and out2 is None:
         out2_4 = torch.empty((l1, l2, m, n), dtype=torch.bfloat16, device=call.device)
-        out2 = out2_4.view(*a.shape[:-2], m, n)
+        out2 = out2_4.view(*batch_shape, m, n)
     results = (out, out2) if epilogue == "dswiglu" else out
     if l1 * l2 * m * n:
         run_call(call, a4, b4, out4, epilogue, inputs4, out2_4, rows4, alpha,
-                 lambda: _check_batch(a4, b4, out4, c_dtype, epilogue, inputs4, out2_4, rows4, alpha))
+                 lambda: _check_batch(a4, b4, out4, c_dtype, epilogue, inputs4, out2_4, rows4, alpha, group_sum))
     return results
 
 
@@ -70,43 +83,52 @@ def _four(t, vector: bool = False):
     return t.unsqueeze(0) if t.dim() == (2 if vector else 3) else t
 
 
-def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha):
+def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha, group_sum):
     """First call of a batch's shapes: full checks, the tiling, the compiled kernel."""
     import torch
 
     kind = _epilogue_kind(epilogue, alpha)
-    _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha)
-    if not a.shape[0] * a.shape[1]:  # nothing to launch or compile: only what the outputs need
+    _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_sum)
+    batches = a.shape[0] * (a.shape[1] // group_sum)  # outputs
+    if not batches:  # nothing to launch or compile: only what the outputs need
         return types.SimpleNamespace(out_dtype=getattr(torch, c_dtype), device=a.device)
     _, _, m, k = a.shape
     n = b.shape[2]
     arch = _device_arch(a.device)
     a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
     chosen = choose_tiling(tiling, m, n, k, arch, kind, inputs[0].shape[-1] if kind.tables else None,
-                           batches=a.shape[0] * a.shape[1])
-    run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=True)
-    call = _calls[a.shape[0] * a.shape[1], m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
-                  _epilogue_key(epilogue, rows, alpha, inputs)] = _Call(
-        *run, chosen, m, n, k, a.device, stream_k, getattr(torch, c_dtype), batches=a.shape[0] * a.shape[1])
+                           batches=batches)
+    run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=group_sum)
+    # the schedule counts a sum's k-tiles: its products' laid end to end
+    k_sum = group_sum * -(-k // chosen.tile_k) * chosen.tile_k if group_sum > 1 else k
+    call = _calls[batches, m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
+                  _epilogue_key(epilogue, rows, alpha, inputs), group_sum] = _Call(
+        *run, chosen, m, n, k_sum, a.device, stream_k, getattr(torch, c_dtype), batches=batches)
     return call
 
 
-def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha):
+def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_sum=1):
     """Every argument: its matrices as matmul_nt checks them (the first of the batch), one
-    batch shape for all, batch strides TMA can step (16-byte multiples) where TMA moves it."""
+    batch shape for all (a's and b's G times as many products with group_sum G), batch strides
+    TMA can step (16-byte multiples) where TMA moves it."""
     from .checks import check_tensor
 
     import torch
 
     for name, t in (("a", a), ("b", b)):
         check_tensor(name, t, dtypes=torch.bfloat16, ndim=4, contiguous=False)
-    batch = tuple(a.shape[:2])
+    if a.shape[1] % group_sum:
+        raise ValueError(f"group_sum: {group_sum} does not divide a's batch dimension {a.shape[1]} (the products "
+                         f"summed into each output)")
+    operand_batch = tuple(a.shape[:2])
+    batch = (operand_batch[0], operand_batch[1] // group_sum)  # the outputs'
     kind = _epilogue_kind(epilogue, alpha)
     tma_moved = {"a": a, "b": b, "out": out, "out2": out2, **({} if kind.tables else dict(zip(kind.inputs, inputs)))}
     plain = {"rows": rows, **(dict(zip(kind.tables, inputs)) if kind.tables else {})}
     for name, t in {**tma_moved, **plain}.items():
-        if t is not None and (t.dim() != (3 if name == "rows" else 4) or tuple(t.shape[:2]) != batch):
-            raise ValueError(f"{name}: expected the batch shape {list(batch)} in front, got shape {list(t.shape)}")
+        want = operand_batch if name in ("a", "b") else batch
+        if t is not None and (t.dim() != (3 if name == "rows" else 4) or tuple(t.shape[:2]) != want):
+            raise ValueError(f"{name}: expected the batch shape {list(want)} in front, got shape {list(t.shape)}")
     for name, t in {**tma_moved, **plain}.items():
         if t is None or name == "rows":
             continue

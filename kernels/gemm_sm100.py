@@ -53,13 +53,14 @@ class Sm100Gemm:
     k_stacked = False  # Sm100SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None):
+                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None, batch_sum: int = 1):
         """pdl, side_job, prologue: as Sm90Gemm's (programmatic dependent launch after another
         kernel; work for idle warps: here the four epilogue warps, before their first tile's
         accumulator is ready; work for every thread before the main loop, then a grid barrier)."""
         tiling.check_sm100()
         self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
         self.prologue = prologue
+        self.batch_sum = batch_sum  # a batch of sums over this many of A's and B's products (gemm.compile_gemm)
         self.a_major = (LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.b_major = (LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR).mma_major_mode()
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -239,6 +240,9 @@ class Sm100Gemm:
         g_b = cute.local_tile(m_b, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
         g_c = cute.local_tile(m_c, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
         k_tiles = cute.size(g_a, mode=[3])
+        k_per = k_tiles  # a batch sum's products lay their k-tiles end to end
+        if cutlass.const_expr(self.batch_sum > 1):
+            k_tiles = k_tiles * self.batch_sum
         thr_mma = tiled_mma.get_slice(pair_rank)
         t_sa, t_ga = cpasync.tma_partition(
             tma_a, coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
@@ -308,7 +312,7 @@ class Sm100Gemm:
                     ring.producer_acquire(state)
                     barrier = ring.producer_get_barrier(state)
                     load_k_tile(terms, k_starts, product, m, n, k, t_sa[(None, state.index)], t_sb[(None, state.index)],
-                                barrier, a_mask, b_mask, products, l)
+                                barrier, a_mask, b_mask, products, l, self.batch_sum, k_per)
                     ring.producer_commit(state)
                     state.advance()
             ring.producer_tail(state)
@@ -631,6 +635,10 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     # 056's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", STORE, 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", True),
+    # and as 056 runs them, summed over each kv head's four query heads: dv = sum P^T . g_ao, dk =
+    # inverse RoPE of sum g_s^T . q_rot (A M-major: P and g_s read transposed in place)
+    (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", 4),
+    (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", ROPE_INVERSE, 1, "m", 4),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

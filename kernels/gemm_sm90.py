@@ -60,7 +60,7 @@ class Sm90Gemm:
     k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None):
+                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None, batch_sum: int = 1):
         """pdl: launched with programmatic dependent launch, for products that follow another
         kernel of the same host function: the CTAs start as the previous kernel's CTAs retire
         and wait (griddepcontrol) for it to finish before touching global memory.
@@ -73,6 +73,7 @@ class Sm90Gemm:
         tiling.check_sm90()
         self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
         self.prologue = prologue
+        self.batch_sum = batch_sum  # a batch of sums over this many of A's and B's products (gemm.compile_gemm)
         self.a_layout = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
         self.c_layout = LayoutEnum.ROW_MAJOR
@@ -238,6 +239,9 @@ class Sm90Gemm:
         t_sb, t_gb = cute.nvgpu.cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(t.cluster_m),
                                                       cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2))
         k_tiles = cute.size(g_a, mode=[3])
+        k_per = k_tiles  # a batch sum's products lay their k-tiles end to end
+        if cutlass.const_expr(self.batch_sum > 1):
+            k_tiles = k_tiles * self.batch_sum
         # A sum of products: per term (A's atom, its k-tiles, B's atom, its k-tiles), the terms'
         # k-tiles laid end to end (where each after the first starts)
         terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
@@ -290,7 +294,8 @@ class Sm90Gemm:
                         a_mask = a_peers if cutlass.const_expr(t.cluster_n > 1) else 0
                         b_mask = b_peers if cutlass.const_expr(t.cluster_m > 1) else 0
                         load_k_tile(terms, k_starts, product, m, n, k, t_sa[(None, state.index)],
-                                    t_sb[(None, state.index)], barrier, a_mask, b_mask, products, l)
+                                    t_sb[(None, state.index)], barrier, a_mask, b_mask, products, l, self.batch_sum,
+                                    k_per)
                         ring.producer_commit(state)
                         state.advance()
                 ring.producer_tail(state)
@@ -644,6 +649,10 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     # 056's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", STORE, 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", True),
+    # and as 056 runs them, summed over each kv head's four query heads: dv = sum P^T . g_ao, dk =
+    # inverse RoPE of sum g_s^T . q_rot (A M-major: P and g_s read transposed in place)
+    (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", 4),
+    (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", ROPE_INVERSE, 1, "m", 4),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

@@ -151,8 +151,10 @@ def test_the_fourteen_steps_with_pytorch_stand_ins(monkeypatch):
         return value.to(dtype) if out is None else out.copy_(value)
 
     def matmul_nt(a, b, *, out=None, out_dtype=None, tiling=None, epilogue="store", inputs=(), out2=None,
-                  rows=None, alpha=1.0):
+                  rows=None, alpha=1.0, group_sum=1, stream_k=None):
         acc = a.float() @ b.float().transpose(-1, -2)
+        if group_sum > 1:  # [b, G * L2, ..] products -> [b, L2, ..] sums of G
+            acc = acc.view(acc.shape[0], -1, group_sum, *acc.shape[2:]).sum(2)
         x = [t.float() for t in inputs]
         if epilogue == "dswiglu":
             gate, up, silu_up = x
@@ -184,8 +186,6 @@ def test_the_fourteen_steps_with_pytorch_stand_ins(monkeypatch):
         monkeypatch.setattr(op, name, fake)
     monkeypatch.setattr(op.rmsnorm_backward, "residual_norm_backward", norm)
     monkeypatch.setattr(op.padded_rows, "copy_padded_rows", lambda src, dst: dst.copy_(src))
-    monkeypatch.setattr(op.head_groups, "sum_head_groups", lambda per_head, into: torch.sum(
-        per_head.view(into.shape[0], into.shape[1], -1, *into.shape[2:]), dim=2, out=into))
     monkeypatch.setattr(op, "_check_inputs", lambda *args: None)  # (its checks want CUDA tensors)
     inputs = PROBLEM.make_inputs(2, 13, dims=SMALL, seed=8)  # 13: attn_weights padded for TMA
     expected = PROBLEM.run_reference(inputs, dims=SMALL, fp32_outputs=True)

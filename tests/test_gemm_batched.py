@@ -17,6 +17,13 @@ def test_row_dot_and_add_without_out_are_refused():
         matmul_nt_batched(a, a, epilogue="add")
 
 
+def test_group_sum_must_be_a_positive_count():
+    a = torch.zeros(2, 4, 8, 64, dtype=torch.bfloat16)
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match="^group_sum: expected a positive int"):
+            matmul_nt_batched(a, a, group_sum=bad)
+
+
 def _heads(b, s, heads, d, generator, scale=1.0):
     """A [b, heads, s, d] view of a [b, s, heads * d] tensor, as 056 holds q, k, v and g_ao."""
     flat = (scale * torch.randn(b, s, heads * d, device="cuda", generator=generator)).bfloat16()
@@ -108,6 +115,55 @@ def test_batched_rope_inverse_with_tables_shared_by_heads():
     out = flat.view(b, s, heads, d).transpose(1, 2)
     matmul_nt_batched(g_s, k_rep.transpose(-1, -2), out=out, epilogue="rope_inverse", inputs=(cos, sin))
     assert _close(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,kv_heads,group,s,stream_k", [(2, 2, 4, 211, None), (1, 3, 2, 72, True),
+                                                         (2, 1, 4, 300, False)])
+def test_batch_sums_over_each_kv_heads_query_heads(b, kv_heads, group, s, stream_k):
+    """056's dv = sum over a kv head's query heads of P^T . g_ao, and dk = inverse RoPE of the
+    same sum of g_s^T . q_rot, each one product (group_sum) written into a [b, s, kv_heads * d]
+    tensor's head view; poisoned outputs, fp32 reference, bitwise repeatable."""
+    heads, d = kv_heads * group, 160
+    g = torch.Generator(device="cuda").manual_seed(s + group)
+    def scores(values):  # [b, heads, s, s] in rows padded to 16 bytes, as 056 holds P and g_s
+        padded = torch.empty(b, heads, s, -(-s // 8) * 8, dtype=torch.bfloat16, device="cuda")
+        return padded[..., :s].copy_(values)
+
+    p = scores(torch.softmax(torch.randn(b, heads, s, s, device="cuda", generator=g), -1))
+    g_ao, q_rot = _heads(b, s, heads, d, g), _heads(b, s, heads, d, g)
+    g_s = scores(torch.randn(b, heads, s, s, device="cuda", generator=g) / s)
+    angles = torch.rand(b, s, d // 2, device="cuda", generator=g).repeat(1, 1, 2) * 6.3
+    cos, sin = (t.bfloat16().unsqueeze(1).expand(b, kv_heads, s, d) for t in (angles.cos(), angles.sin()))
+
+    def group_sums(per_head):  # [b, heads, s, d] -> [b, kv_heads, s, d]
+        return per_head.view(b, kv_heads, group, s, d).sum(2)
+
+    want_dv = group_sums(p.float().transpose(-1, -2) @ g_ao.float())
+    g_kr = group_sums(g_s.float().transpose(-1, -2) @ q_rot.float())
+    want_dk = g_kr * cos.float() - torch.cat([-g_kr[..., d // 2:], g_kr[..., :d // 2]], -1) * sin.float()
+    runs = []
+    for _ in range(2):
+        dv, dk = (torch.full((b, s, kv_heads * d), float("nan"), dtype=torch.bfloat16, device="cuda")
+                  .view(b, s, kv_heads, d).transpose(1, 2) for _ in range(2))
+        matmul_nt_batched(p.transpose(-1, -2), g_ao.transpose(-1, -2), out=dv, group_sum=group, stream_k=stream_k)
+        matmul_nt_batched(g_s.transpose(-1, -2), q_rot.transpose(-1, -2), out=dk, epilogue="rope_inverse",
+                          inputs=(cos, sin), group_sum=group, stream_k=stream_k)
+        assert _close(dv, want_dv) and _close(dk, want_dk)
+        runs.append((dv, dk))
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+    new = matmul_nt_batched(p.transpose(-1, -2), g_ao.transpose(-1, -2), group_sum=group, stream_k=stream_k)
+    assert new.shape == (b, kv_heads, s, d) and torch.equal(new, runs[0][0])
+
+
+@pytest.mark.gpu
+def test_batch_sum_shapes_are_checked():
+    a = torch.zeros(2, 6, 64, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="^group_sum: 4 does not divide a's batch dimension 6"):
+        matmul_nt_batched(a, a, group_sum=4)
+    matmul_nt_batched(a, a, group_sum=3)  # a cached shape: the next calls take the fast path
+    with pytest.raises(ValueError, match=r"^out: expected the batch shape \[2, 2\] in front"):
+        matmul_nt_batched(a, a, out=torch.zeros(2, 3, 64, 64, dtype=torch.bfloat16, device="cuda"), group_sum=3)
 
 
 @pytest.mark.gpu
