@@ -96,11 +96,11 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
     n = b.shape[2]
     arch = _device_arch(a.device)
     a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
-    chosen = choose_tiling(tiling, m, n, k, arch, kind, inputs[0].shape[-1] if kind.tables else None,
+    # a sum's K, as its tiles' loops and the schedule count it: its products' k-tiles end to end
+    k_sum = group_sum * -(-k // GemmTiling.tile_k) * GemmTiling.tile_k if group_sum > 1 else k
+    chosen = choose_tiling(tiling, m, n, k_sum, arch, kind, inputs[0].shape[-1] if kind.tables else None,
                            batches=batches)
     run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=group_sum)
-    # the schedule counts a sum's k-tiles: its products' laid end to end
-    k_sum = group_sum * -(-k // chosen.tile_k) * chosen.tile_k if group_sum > 1 else k
     call = _calls[batches, m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue, rows, alpha, inputs), group_sum] = _Call(
         *run, chosen, m, n, k_sum, a.device, stream_k, getattr(torch, c_dtype), batches=batches)

@@ -646,6 +646,8 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     (GemmTiling(pingpong=True, cluster_m=2, epilogue_input_stages=SHORT_K_INPUT_STAGES), True, True, "bfloat16",
      dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5), 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
+    (GemmTiling(tile_m=64, tile_n=160, cluster_m=2, pingpong=True), True, False, "bfloat16", ROPE_INVERSE, 1, "m",
+     True),  # the same at K <= 1024, as 056 runs it
     # 056's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", STORE, 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", True),

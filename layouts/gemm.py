@@ -169,6 +169,8 @@ MIN_K_TILES = 32
 # MIN_K_TILES whole k-tiles, so the hand-over pays.
 SPLIT_MAX_TILES = 66
 SPLIT_MIN_K = MIN_K_TILES * GemmTiling.tile_k
+# default_tiling: a batch of per-head inverse-RoPE products up to this K takes 64-row pingpong tiles.
+SHORT_ROPE_K = 1024
 
 
 def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
@@ -208,7 +210,15 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     so the batch fills the SMs, not the tile size) and N at most 256: one tile spans N, 128 rows,
     cooperative, 2 x 1 clusters from M > 128. P . v and P^T . g_ao at 449 x 16 (N = d = 160):
     0.136 / 0.132 ms against 0.272 / 0.271 for the single-product rule's 64 x 128 tiles
-    (256 x 32: 0.102 / 0.115 against 0.149 / 0.155; session 17 sweep)."""
+    (256 x 32: 0.102 / 0.115 against 0.149 / 0.155; session 17 sweep). A batch of `group_n`
+    products (056's per-head dq, inverse RoPE) with K <= SHORT_ROPE_K on sm_90a: 64-row pingpong
+    tiles in 2 x 1 clusters, one warpgroup's table loads and rotation under the other's MMAs;
+    for a batch sum (gemm_batched's group_sum) K is the sum's (session 21 sweep, us, default /
+    64-row pingpong: dq 449 x 16 144.7 / 134.3, 373 x 8 54.9 / 47.0, 1024 x 2 62.4 / 57.8,
+    256 x 32 108.9 / 94.1, 211 x 2 8.3 / 8.5; dk summed over four heads, K = 4 s, 449 x 16
+    104.6 / 132.2, 1024 x 2 46.6 / 70.1, 256 x 32 72.7 / 73.9, 211 x 2 13.3 / 11.1)."""
+    if group_n and batches > 1 and k <= SHORT_ROPE_K and arch == "sm_90a":
+        return GemmTiling(tile_m=64, tile_n=group_n, cluster_m=2, pingpong=True)
     if group_n:
         return GemmTiling(tile_m=128, tile_n=group_n, cluster_m=2 if m > 128 else 1,
                           pingpong=arch == "sm_90a" and group_n <= 128,

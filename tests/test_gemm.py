@@ -52,6 +52,16 @@ def test_batched_head_products_take_one_head_a_tile():
         getattr(default_tiling(449, 160, 449, arch, batches=512), check)()
 
 
+def test_batched_inverse_rope_at_short_k_takes_64_row_pingpong_tiles():
+    """056's dq (one head a tile, K = s <= 1024) on sm_90a: 64-row pingpong tiles in 2 x 1
+    clusters; dk's sum over four heads (K = 4 s) past 1024 and sm_100a keep 128-row tiles."""
+    assert default_tiling(449, 160, 449, fused=0, group_n=160, batches=512) == \
+        GemmTiling(tile_m=64, tile_n=160, cluster_m=2, pingpong=True)
+    assert default_tiling(449, 160, 4 * 512, group_n=160, batches=128).tile_m == 128
+    assert not default_tiling(449, 160, 449, "sm_100a", group_n=160, batches=512).pingpong
+    default_tiling(449, 160, 449, group_n=160, batches=512).check_sm90()
+
+
 def test_few_column_group_tiles_split_k():
     """One product of few tiles a column group wide and long K (056's g_ao at <= 256 tokens:
     32 / 64 tiles of 128 x 160) deals its k-iterations out over every SM."""
