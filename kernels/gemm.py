@@ -559,13 +559,14 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
 
 
 def choose_tiling(tiling, m: int, n: int, k: int, arch: str, epilogue: Epilogue, group_n,
-                  batches: int = 1, tuned: GemmTiling | None = None) -> GemmTiling:
+                  batches: int = 1, tuned: GemmTiling | None = None, summed: int = 1) -> GemmTiling:
     """The tiling asked for, as it is; else the tuner's pick or the default one (for a batch
     of `batches` products), its cluster fitted to M's tile count (layouts.gemm.even_clusters).
     An epilogue that works per column group (row sums, tables: `group_n` columns) needs tiles
     exactly one group wide."""
     chosen = tiling or even_clusters(tuned or default_tiling(m, n, k, arch, fused=len(epilogue.inputs),
-                                                             group_n=group_n, batches=batches), m, n, arch)
+                                                             group_n=group_n, batches=batches, summed=summed),
+                                     m, n, arch)
     if group_n and chosen.tile_n != group_n:
         raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
                          f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")

@@ -99,7 +99,7 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
     # a sum's K, as its tiles' loops and the schedule count it: its products' k-tiles end to end
     k_sum = group_sum * -(-k // GemmTiling.tile_k) * GemmTiling.tile_k if group_sum > 1 else k
     chosen = choose_tiling(tiling, m, n, k_sum, arch, kind, inputs[0].shape[-1] if kind.tables else None,
-                           batches=batches)
+                           batches=batches, summed=group_sum)
     run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=group_sum)
     call = _calls[batches, m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue, rows, alpha, inputs), group_sum] = _Call(

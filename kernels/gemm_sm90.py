@@ -655,6 +655,9 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
     # inverse RoPE of sum g_s^T . q_rot (A M-major: P and g_s read transposed in place)
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", 4),
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", ROPE_INVERSE, 1, "m", 4),
+    # the same in 64-row pingpong tiles: few sums (b = 1, 2), or dk's summed K <= 1024
+    (GemmTiling(tile_m=64, tile_n=160, cluster_m=2, pingpong=True), False, False, "bfloat16", STORE, 1, "m", 4),
+    (GemmTiling(tile_m=64, tile_n=160, cluster_m=2, pingpong=True), False, False, "bfloat16", ROPE_INVERSE, 1, "m", 4),
     # the q/k/v weight gradients of one layer as a group: dW_i = dY_i^T . X (A and B M-major)
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv

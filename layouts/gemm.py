@@ -169,12 +169,14 @@ MIN_K_TILES = 32
 # MIN_K_TILES whole k-tiles, so the hand-over pays.
 SPLIT_MAX_TILES = 66
 SPLIT_MIN_K = MIN_K_TILES * GemmTiling.tile_k
-# default_tiling: a batch of per-head inverse-RoPE products up to this K takes 64-row pingpong tiles.
+# default_tiling: a batch of per-head inverse-RoPE products up to this K takes 64-row pingpong
+# tiles; so does a batch of sums whose 128-row tiles number at most FEW_TILES (half the SMs).
 SHORT_ROPE_K = 1024
+FEW_TILES = 66
 
 
 def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
-                   group_n: int | None = None, batches: int = 1) -> GemmTiling:
+                   group_n: int | None = None, batches: int = 1, summed: int = 1) -> GemmTiling:
     """The tiling for a product until the tuner's table exists: rules read off two sweeps of
     the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within ~10% of
     that product's best of the tilings tried.
@@ -216,7 +218,13 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     for a batch sum (gemm_batched's group_sum) K is the sum's (session 21 sweep, us, default /
     64-row pingpong: dq 449 x 16 144.7 / 134.3, 373 x 8 54.9 / 47.0, 1024 x 2 62.4 / 57.8,
     256 x 32 108.9 / 94.1, 211 x 2 8.3 / 8.5; dk summed over four heads, K = 4 s, 449 x 16
-    104.6 / 132.2, 1024 x 2 46.6 / 70.1, 256 x 32 72.7 / 73.9, 211 x 2 13.3 / 11.1)."""
+    104.6 / 132.2, 1024 x 2 46.6 / 70.1, 256 x 32 72.7 / 73.9, 211 x 2 13.3 / 11.1). A batch of
+    sums (`summed` > 1 products each) whose 128-row tiles would fill at most FEW_TILES SMs:
+    64-row pingpong tiles, twice the CTAs on the long summed K (session 21, us, dv / dk at
+    613 x 1, 40 tiles: 25.7 / 27.2 -> 20.3 / 21.6; 512 x 2, 64 tiles: 18.5 / 20.3 -> 17.0 / 18.5;
+    at 691 x 2, 96 tiles, 128 rows stay ahead: 28.0 / 29.6 against 40.9 / 42.1)."""
+    if summed > 1 and batches * -(-m // 128) <= FEW_TILES and n <= 256 and n % 32 == 0 and arch == "sm_90a":
+        return GemmTiling(tile_m=64, tile_n=n, cluster_m=2, pingpong=True)
     if group_n and batches > 1 and k <= SHORT_ROPE_K and arch == "sm_90a":
         return GemmTiling(tile_m=64, tile_n=group_n, cluster_m=2, pingpong=True)
     if group_n:

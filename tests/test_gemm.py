@@ -62,6 +62,14 @@ def test_batched_inverse_rope_at_short_k_takes_64_row_pingpong_tiles():
     default_tiling(449, 160, 449, group_n=160, batches=512).check_sm90()
 
 
+def test_batch_sums_of_few_tiles_take_64_row_pingpong_tiles():
+    """056's dv summed over four heads: 64-row pingpong tiles where 128-row ones would fill at
+    most half the SMs (613 x 1: 8 sums of 5 tiles), 128 rows from there (691 x 2: 16 x 6)."""
+    assert default_tiling(613, 160, 4 * 640, batches=8, summed=4).spec == "64x160c2x1p"
+    assert default_tiling(691, 160, 4 * 704, batches=16, summed=4).tile_m == 128
+    assert default_tiling(613, 160, 640, batches=8).tile_m == 128  # the same products, not summed
+
+
 def test_few_column_group_tiles_split_k():
     """One product of few tiles a column group wide and long K (056's g_ao at <= 256 tokens:
     32 / 64 tiles of 128 x 160) deals its k-iterations out over every SM."""
