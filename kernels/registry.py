@@ -7,11 +7,11 @@ tools/audit.py names them; an arch a module does not name is not built for it (t
 core's main loop is per arch: gemm_sm90 builds for sm_90a only, gemm_sm100 for sm_100a
 only). Adding a kernel to the audit (and so to its test) is one line here.
 """
-from . import (embedding_backward, gemm_sm90, gemm_sm100, head_groups, id_radix, id_sort, padded_rows,
-               qkv_qknorm_backward, rmsnorm_backward, row_rstd)
+from . import (embedding_backward, gemm_sm90, gemm_sm100, id_radix, id_sort, padded_rows, qkv_qknorm_backward,
+               rmsnorm_backward, row_rstd)
 
 KERNEL_MODULES = (row_rstd, rmsnorm_backward, embedding_backward, id_sort, id_radix, qkv_qknorm_backward, gemm_sm90,
-                  gemm_sm100, padded_rows, head_groups)
+                  gemm_sm100, padded_rows)
 
 
 def audit_builds():
