@@ -18,6 +18,7 @@ import types
 from ..layouts.gemm import GemmTiling
 from .gemm import (ADD_NEEDS_OUT, _Call, _check_call, _device_arch, _epilogue_key, _epilogue_kind, _kernel, choose_tiling,
                    run_call)
+from .gemm_grouped import stacked_k
 
 # (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue, group_sum) -> _Call
 _calls: dict = {}
@@ -97,7 +98,8 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
     arch = _device_arch(a.device)
     a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
     # a sum's K, as its tiles' loops and the schedule count it: its products' k-tiles end to end
-    k_sum = group_sum * -(-k // GemmTiling.tile_k) * GemmTiling.tile_k if group_sum > 1 else k
+    # (every tiling's tile_k is the default's)
+    k_sum = stacked_k((k,) * group_sum, GemmTiling()) if group_sum > 1 else k
     chosen = choose_tiling(tiling, m, n, k_sum, arch, kind, inputs[0].shape[-1] if kind.tables else None,
                            batches=batches, summed=group_sum)
     run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=group_sum)
