@@ -1,7 +1,7 @@
 """The bench's CPU-side pieces: host time per call and the table (no GPU needed)."""
 import torch
 
-from cutebwd.tools import bench, timing
+from cutebwd.tools import bench, clocks, timing
 
 
 def test_host_us_measures_a_python_call():
@@ -17,6 +17,82 @@ def test_table_shows_host_time_where_measured():
     large = dict(row, seq_len=8192, graph_ms=None, host_us=None)
     table = bench.format_tables([row, large], bench.summarize([row, large]))
     assert "host us" in table and "12.5" in table
+
+
+def test_clock_summary_reads_median_clock_and_power_cap_share():
+    samples = [(1980, 500.0, 0x0), (1500, 700.0, clocks.SW_POWER_CAP), (1200, 702.0, clocks.SW_POWER_CAP | 0x1),
+               (1400, 698.0, 0x1)]  # 0x1: GPU idle, not a power reason
+    summary = clocks.summarize(samples)
+    assert summary == {"sm_mhz": 1450, "sm_mhz_min": 1200, "power_w": 699.0, "power_capped": 0.5}
+    assert clocks.describe(summary) == "1450 MHz 699 W capped 50%"
+    assert clocks.summarize([]) == {} and clocks.describe({}) == ""
+
+
+class _FakeMonitor:
+    """What the sampling process wrote, handed out as clocks.Monitor.drain does."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+
+    def drain(self):
+        return self.batches.pop(0) if self.batches else []
+
+
+def test_window_keeps_the_samples_stamped_inside_it(monkeypatch):
+    import time
+
+    now = time.time()
+    stale = [(now - 5, 1980, 100.0, 0)]  # written before the window opened: drained at entry
+    inside = [(now + 0.5, 1500, 700.0, clocks.SW_POWER_CAP), (now + 0.6, 1400, 705.0, clocks.SW_POWER_CAP)]
+    late = [(now + 1e6, 1980, 90.0, 0)]  # stamped after the window closed
+    clock = iter([now, now + 1.0, now + 2.0, now + 3.0])
+    monkeypatch.setattr(clocks.time, "time", lambda: next(clock))
+    window = clocks.Window(_FakeMonitor([stale, inside + late, [], [(now + 2.5, 1300, 710.0, 0)]]))
+    with window:
+        pass
+    with window:  # a second window on the same sample adds its samples
+        pass
+    assert window.samples == [(1500, 700.0, 4), (1400, 705.0, 4), (1300, 710.0, 0)]
+    assert window.summary()["sm_mhz"] == 1400 and window.summary()["power_capped"] == 2 / 3
+
+
+def test_window_without_a_monitor_reports_nothing():
+    window = clocks.Window(None)
+    with window:
+        pass
+    assert window.summary() == {}
+
+
+def test_monitor_reads_whole_lines_of_the_sampling_process():
+    class Pipe:
+        chunks = [b"1.5 1980 120.5 0\n2.5 14", b"85 701.0 4\n", None]
+
+        def read(self):
+            return self.chunks.pop(0)
+
+    monitor = clocks.Monitor.__new__(clocks.Monitor)
+    monitor.process, monitor.pending = type("P", (), {"stdout": Pipe()})(), b""
+    assert monitor.drain() == [(1.5, 1980, 120.5, 0)]  # the half line waits for its end
+    assert monitor.drain() == [(2.5, 1485, 701.0, 4)]
+    assert monitor.drain() == []
+
+
+def test_clocks_tool_says_when_there_is_no_nvml(monkeypatch):
+    monkeypatch.setattr(clocks.Device, "open", classmethod(lambda cls, uuid, index=0: None))
+    assert clocks.main(["--period", "0.01"]) == 2
+
+
+def test_table_shows_clock_and_power_where_sampled():
+    row = {"problem": "p", "seq_len": 128, "batch_size": 1, "options": {}, "impl": "ours", "ms": 0.02,
+           "graph_ms": None, "host_us": None, "sol_ms": 0.001, "sol_fraction": 0.05, "parity_ok": True,
+           **clocks.summarize([(1755, 690.0, 0)])}
+    unsampled = {k: v for k, v in row.items() if k not in ("sm_mhz", "sm_mhz_min", "power_w", "power_capped")}
+    summary = bench.summarize([row, dict(row, seq_len=256, sm_mhz=1645, power_w=700.0)])
+    assert summary[0]["mean_sm_mhz"] == 1700 and summary[0]["mean_power_w"] == 695.0
+    assert " 1755  690 ok" in bench.format_tables([row], summary)
+    # a mean over partly sampled workloads would mislead: none is given
+    assert "mean_sm_mhz" not in bench.summarize([row, dict(unsampled, seq_len=256)])[0]
+    assert "    -    - ok" in bench.format_tables([unsampled], bench.summarize([unsampled]))
 
 
 def test_087_functional_path_against_zero_fill_plus_accumulate():
@@ -99,7 +175,7 @@ def test_gemm_bench_product_times_every_tiling_in_turns(monkeypatch):
 
     called = []
     monkeypatch.setattr(gemm, "matmul_nt", lambda a, b, tiling=None: called.append(tiling) or (a.float() @ b.float().t()))
-    monkeypatch.setattr(timing, "time_ms", lambda fn, args: (fn(), 0.010)[1])
+    monkeypatch.setattr(timing, "time_ms", lambda fn, args, sampler=None: (fn(), 0.010)[1])
     monkeypatch.setattr(timing, "graph_time_ms", lambda fn, args: (fn(), 0.004)[1])
     a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
     row = bench_gemm.bench_product("dX T=64 32x48", (a, b), (a, b.t()), 2 * 64 * 32 * 48, lambda line: None,

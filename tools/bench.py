@@ -2,7 +2,10 @@
 matmul rate), then per problem and workload every implementation registered for it (the eager
 reference, torch.compile of it, and our kernels and peers as they land), each checked against
 the fp32 reference before it is timed, with time, speed-of-light time and fraction of it;
-for inputs under 64 MB also a CUDA-graph replay time and the host's CPU time per call.
+for inputs under 64 MB also a CUDA-graph replay time and the host's CPU time per call. Each
+timed row carries the SM clock and board power sampled while it ran (tools/clocks.py): under
+sustained load the H200 sits at its power cap, and a ratio of two rows means most when their
+clocks are known.
 
     python -m cutebwd.tools.bench [--problem NAME ...] [--impl NAME ...] [--json bench.json]
 
@@ -22,7 +25,7 @@ import torch
 from cutebwd.kernels import runtime
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import sol_seconds
-from cutebwd.tools import parity, timing
+from cutebwd.tools import clocks, parity, timing
 
 # Graph-replay figures only where host cost could matter: inputs below this size.
 GRAPH_MAX_INPUT_BYTES = 64 << 20
@@ -285,7 +288,8 @@ def bench_case(problem, seq, batch, options, impls, ceilings, seed, log):
         outputs = fn(*inputs)
         reports = parity.check_outputs(problem.output_names, outputs, expected, problem.output_dtypes)
         del outputs
-        ms = timing.time_ms(fn, arg_sets)
+        sample = clocks.sampled()
+        ms = timing.time_ms(fn, arg_sets, sampler=sample)
         small = in_bytes < GRAPH_MAX_INPUT_BYTES
         graph_ms = timing.graph_time_ms(fn, arg_sets) if small else None
         host_us = timing.host_us(fn, arg_sets) if small else None
@@ -293,20 +297,22 @@ def bench_case(problem, seq, batch, options, impls, ceilings, seed, log):
                "impl": impl_name, "ms": ms, "graph_ms": graph_ms, "host_us": host_us, "sol_ms": sol_ms,
                "sol_fraction": sol_ms / ms, "bytes": nbytes, "flops": flops,
                "parity_ok": all(r.ok for r in reports),
-               "parity": [r.line() for r in reports]}
+               "parity": [r.line() for r in reports], **sample.summary()}
         rows.append(row)
         log(f"  {impl_name:<14} {ms:9.4f} ms  SOL {sol_ms:8.4f} ms  {row['sol_fraction']:6.1%}"
-            f"  parity {'ok' if row['parity_ok'] else 'FAIL'}  ({time.perf_counter() - start:.1f} s)")
+            f"  parity {'ok' if row['parity_ok'] else 'FAIL'}  {clocks.describe(sample.summary())}"
+            f"  ({time.perf_counter() - start:.1f} s)")
         if not row["parity_ok"]:
             log("\n".join("    " + line for line in row["parity"]))
     for name, (factory, cost) in BASELINES.get(problem.name, {}).items():
-        ms, (nbytes, flops) = timing.time_ms(factory(problem), arg_sets), cost(problem, batch, seq)
+        sample = clocks.sampled()
+        ms, (nbytes, flops) = timing.time_ms(factory(problem), arg_sets, sampler=sample), cost(problem, batch, seq)
         sol_ms = 1e3 * sol_seconds((nbytes, flops), *ceilings)
         rows.append({"problem": problem.name, "seq_len": seq, "batch_size": batch, "options": options,
                      "impl": name, "ms": ms, "graph_ms": None, "host_us": None, "sol_ms": sol_ms,
                      "sol_fraction": sol_ms / ms, "bytes": nbytes, "flops": flops, "parity_ok": True,
-                     "parity": ["a baseline, not an implementation: nothing to check"]})
-        log(f"  {name:<14} {ms:9.4f} ms  (baseline)")
+                     "parity": ["a baseline, not an implementation: nothing to check"], **sample.summary()})
+        log(f"  {name:<14} {ms:9.4f} ms  (baseline)  {clocks.describe(sample.summary())}")
     del arg_sets, inputs, expected
     torch.cuda.empty_cache()
     return rows
@@ -319,12 +325,16 @@ def summarize(rows):
         if row["options"]:
             continue
         key = (row["problem"], row["impl"])
-        entry = summary.setdefault(key, {"ms": [], "sol_ms": [], "parity_ok": True})
-        entry["ms"].append(row["ms"])
-        entry["sol_ms"].append(row["sol_ms"])
+        entry = summary.setdefault(key, {"ms": [], "sol_ms": [], "sm_mhz": [], "power_w": [], "parity_ok": True})
+        for name in ("ms", "sol_ms", "sm_mhz", "power_w"):
+            if name in row:
+                entry[name].append(row[name])
         entry["parity_ok"] &= row["parity_ok"]
+    # the clock and power means only where every workload was sampled
     return [{"problem": p, "impl": i, "workloads": len(e["ms"]), "mean_ms": statistics.mean(e["ms"]),
-             "mean_sol_ms": statistics.mean(e["sol_ms"]), "parity_ok": e["parity_ok"]}
+             "mean_sol_ms": statistics.mean(e["sol_ms"]), "parity_ok": e["parity_ok"],
+             **({"mean_sm_mhz": statistics.mean(e["sm_mhz"]), "mean_power_w": statistics.mean(e["power_w"])}
+                if len(e["sm_mhz"]) == len(e["ms"]) else {})}
             for (p, i), e in summary.items()]
 
 
@@ -342,18 +352,21 @@ def bar_ratios(rows, bar):
 
 def format_tables(rows, summary) -> str:
     lines = [f"{'problem':<32} {'seq x batch':>12} {'impl':<14} {'ms':>9} {'graph ms':>9} {'host us':>8} "
-             f"{'SOL ms':>9} {'of SOL':>7} parity"]
+             f"{'SOL ms':>9} {'of SOL':>7} {'MHz':>5} {'W':>4} parity"]
     for r in rows:
         graph = f"{r['graph_ms']:9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
         host = f"{r['host_us']:8.1f}" if r.get("host_us") is not None else f"{'-':>8}"
+        state = f"{r['sm_mhz']:5.0f} {r['power_w']:4.0f}" if "sm_mhz" in r else f"{'-':>5} {'-':>4}"
         extra = " " + ",".join(f"{k}={v}" for k, v in r["options"].items()) if r["options"] else ""
         lines.append(f"{r['problem']:<32} {str(r['seq_len']) + ' x ' + str(r['batch_size']):>12} "
                      f"{r['impl']:<14} {r['ms']:9.4f} {graph} {host} {r['sol_ms']:9.4f} "
-                     f"{r['sol_fraction']:7.1%} {'ok' if r['parity_ok'] else 'FAIL'}{extra}")
-    lines += ["", f"{'problem':<32} {'impl':<14} {'mean ms':>9} {'mean SOL ms':>12} {'SOL/time':>9} parity"]
+                     f"{r['sol_fraction']:7.1%} {state} {'ok' if r['parity_ok'] else 'FAIL'}{extra}")
+    lines += ["", f"{'problem':<32} {'impl':<14} {'mean ms':>9} {'mean SOL ms':>12} {'SOL/time':>9} "
+                  f"{'MHz':>5} {'W':>4} parity"]
     for s in summary:
+        state = f"{s['mean_sm_mhz']:5.0f} {s['mean_power_w']:4.0f}" if "mean_sm_mhz" in s else f"{'-':>5} {'-':>4}"
         lines.append(f"{s['problem']:<32} {s['impl']:<14} {s['mean_ms']:9.4f} {s['mean_sol_ms']:12.4f} "
-                     f"{s['mean_sol_ms'] / s['mean_ms']:9.1%} {'ok' if s['parity_ok'] else 'FAIL'}")
+                     f"{s['mean_sol_ms'] / s['mean_ms']:9.1%} {state} {'ok' if s['parity_ok'] else 'FAIL'}")
     for entry in RATIO_BARS:
         ratios = bar_ratios(rows, entry)
         if not ratios:

@@ -8,8 +8,9 @@ plus PyTorch's dSwiGLU. Every variant is checked against fp32 autograd before it
 Bar: the fused product costs <= 1.05 x the plain one. Times are medians over graph replays
 taken turn by turn in steady state (timing.interleaved_us: under sustained load these
 products run the GPU into its power cap, below its boost clock); the burst ratio (best of
-alternating short rounds, the method of earlier runs) is printed beside it. A table on
-screen, JSON on disk, progress on stderr.
+alternating short rounds, the method of earlier runs) is printed beside it, each with the SM
+clock and power it ran at (tools/clocks.py). A table on screen, JSON on disk, progress on
+stderr.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 
 import torch
 
-from cutebwd.tools import parity, timing
+from cutebwd.tools import clocks, parity, timing
 
 HIDDEN, INTERMEDIATE = 5120, 14336
 MAX_RELATIVE_ERROR = 1e-2
@@ -67,14 +68,22 @@ def bench_tokens(t, generator, log):
     # set of turns so every one runs at the clock the whole mix sets under the power cap (a set
     # of only the products ran ~20% slower than one with the peers' element-wise passes); the
     # burst figures (best of alternating rounds) beside it, for comparison with earlier runs.
-    row.update({f"{who} us": value for who, value in timing.interleaved_us(timed).items()})
-    row.update({f"{who} burst {key}": value for (who, key), value in timing.alternating_best(timed).items()})
+    steady, bursts = clocks.sampled(), {who: clocks.sampled() for who in timed}
+    row.update({f"{who} us": value for who, value in timing.interleaved_us(timed, sampler=steady).items()})
+    row.update({f"{who} burst {key}": value
+                for (who, key), value in timing.alternating_best(timed, samplers=bursts).items()})
+    # the clock each figure ran at: one for the turns, one per variant for its bursts
+    row["steady clocks"] = steady.summary()
+    row.update({f"{who} burst clocks": sample.summary() for who, sample in bursts.items()})
     for name, other in (("ours plain", "ours plain"), ("cuBLAS plain", "cuBLAS plain"), ("peer", "cuBLAS + torch")):
         row[f"fused / {name}"] = row["ours fused us"] / row[f"{other} us"]
     row["burst fused / ours plain"] = row["ours fused burst us"] / row["ours plain burst us"]
     log(f"  T={t}: fused {row['ours fused us']:.1f} us, ours plain {row['ours plain us']:.1f}, "
-        f"cuBLAS plain {row['cuBLAS plain us']:.1f}, peer {row['cuBLAS + torch us']:.1f} (steady, turn by turn); "
-        f"burst fused/plain {row['burst fused / ours plain']:.3f}; max error {max(errors.values()):.1e}")
+        f"cuBLAS plain {row['cuBLAS plain us']:.1f}, peer {row['cuBLAS + torch us']:.1f} (steady, turn by turn"
+        f"{', ' + clocks.describe(row['steady clocks']) if row['steady clocks'] else ''}); "
+        f"burst fused/plain {row['burst fused / ours plain']:.3f} "
+        f"({clocks.describe(row['ours fused burst clocks']) or '-'} / {clocks.describe(row['ours plain burst clocks']) or '-'}); "
+        f"max error {max(errors.values()):.1e}")
     return row
 
 

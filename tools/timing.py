@@ -4,6 +4,7 @@ replay figure strips the host cost for small shapes. Ceilings measured the same 
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -42,14 +43,17 @@ def _loop_ms(fn, arg_sets, calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
-def time_ms(fn, arg_sets, *, budget_ms: float = 40.0, repeats: int = 5, max_calls: int = 500) -> float:
-    """Median milliseconds per call of fn(*args), args rotating over `arg_sets`."""
+def time_ms(fn, arg_sets, *, budget_ms: float = 40.0, repeats: int = 5, max_calls: int = 500,
+            sampler=None) -> float:
+    """Median milliseconds per call of fn(*args), args rotating over `arg_sets`. A
+    `clocks.Sampler` given as `sampler` reads the GPU's clock and power during the timed loops."""
     fn(*arg_sets[0])  # warm-up: compile, module load, allocator
     torch.cuda.synchronize()
     once = _loop_ms(fn, arg_sets, 1)
     calls = int(max(1, min(max_calls, budget_ms / max(once, 1e-3))))
     _loop_ms(fn, arg_sets, calls)  # a full untimed loop first, so clocks have ramped up
-    return statistics.median(_loop_ms(fn, arg_sets, calls) for _ in range(repeats))
+    with sampler or contextlib.nullcontext():
+        return statistics.median(_loop_ms(fn, arg_sets, calls) for _ in range(repeats))
 
 
 def capture(call, warmup=None):
@@ -89,25 +93,29 @@ def graph_time_ms(fn, arg_sets, *, calls: int = 20, repeats: int = 5) -> float |
     return statistics.median(_loop_ms(lambda: graph.replay(), [()], 1) / calls for _ in range(repeats))
 
 
-def alternating_best(timed: dict, rounds: int = 3) -> dict:
+def alternating_best(timed: dict, rounds: int = 3, samplers: dict | None = None) -> dict:
     """{(name, "us" | "graph_us"): microseconds}: each of `timed`'s no-argument callables per
     Python call and in graph replay, the best median of `rounds` rounds in which they take
     turns, so a host or clock hiccup of a few hundred ms (seen: a 12 us call timed at 20 us)
-    hits no one side alone."""
+    hits no one side alone. `samplers` ({name: clocks.Sampler}) read the clocks during each
+    name's per-call loops, over all rounds."""
     import math
 
     best = {}
     for _ in range(rounds):
         for who, fn in timed.items():
-            for key, measure in (("us", time_ms), ("graph_us", graph_time_ms)):
-                best[who, key] = min(best.get((who, key), math.inf), measure(fn, [()]) * 1e3)
+            sampler = (samplers or {}).get(who)
+            best[who, "us"] = min(best.get((who, "us"), math.inf), time_ms(fn, [()], sampler=sampler) * 1e3)
+            best[who, "graph_us"] = min(best.get((who, "graph_us"), math.inf), graph_time_ms(fn, [()]) * 1e3)
     return best
 
 
-def interleaved_us(timed: dict, *, seconds: float = 3.0, warmup_s: float = 1.0, calls: int = 10) -> dict:
+def interleaved_us(timed: dict, *, seconds: float = 3.0, warmup_s: float = 1.0, calls: int = 10,
+                   sampler=None) -> dict:
     """{name: median GPU microseconds per call} of `timed`'s no-argument callables, each
     captured as a CUDA graph of `calls` calls, the graphs replayed turn by turn (events around
-    each replay) for ~`seconds` after `warmup_s` of the same. For compute-bound products:
+    each replay) for ~`seconds` after `warmup_s` of the same; a `clocks.Sampler` as `sampler`
+    reads the clock they share during the timed turns. For compute-bound products:
     under sustained load they run the H200 into its 700 W power cap (sampled: 1050 to 1980 MHz,
     throttle reason SW power cap), so a burst's time depends on what ran before it (seen: one
     kernel timed 446 and 475 us by `alternating_best` in one run); turn by turn, every variant
@@ -133,8 +141,10 @@ def interleaved_us(timed: dict, *, seconds: float = 3.0, warmup_s: float = 1.0, 
         return marks
 
     turns(warmup_s)
+    with sampler or contextlib.nullcontext():
+        marks = turns(seconds)
     return {who: statistics.median(b.elapsed_time(a) * 1e3 / runs[who][1] for b, a in pairs)
-            for who, pairs in turns(seconds).items()}
+            for who, pairs in marks.items()}
 
 
 def host_us(fn, arg_sets, *, calls: int = 200, repeats: int = 3) -> float:
