@@ -182,6 +182,7 @@ def test_gemm_bench_product_times_every_tiling_in_turns(monkeypatch):
                                    [GemmTiling(pingpong=True)])
     assert row["ok"] and row["relative_error"] < 1e-2
     assert set(row["tilings"]) == {"128x128p"} and row["tilings"]["128x128p"]["graph_ratio"] == 1.0
+    assert "ours_clocks" in row and "cublas_clocks" in row  # empty without samples, never missing
     # checked once, then timed per call and in graph replay in each round
     assert called.count(None) == called.count(GemmTiling(pingpong=True)) == 1 + 2 * bench_gemm.ROUNDS
 

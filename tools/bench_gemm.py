@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from cutebwd.tools import timing
+from cutebwd.tools import clocks, timing
 from cutebwd.tools.parity import relative_error
 
 # (out_features, in_features) of the weights: 056's q/o (5120 x 5120), k/v (1280 x 5120),
@@ -63,15 +63,18 @@ def bench_product(name, ours_args, cublas_args, flops, log, tilings=()):
     del out, reference
     timed = {who: (lambda tiling=tiling: matmul_nt(*ours_args, tiling=tiling)) for who, tiling in candidates.items()}
     timed["cublas"] = lambda: torch.matmul(*cublas_args)
-    best = timing.alternating_best(timed, ROUNDS)  # ours and cuBLAS take turns
+    samples = {who: clocks.sampled() for who in ("ours", "cublas")}
+    best = timing.alternating_best(timed, ROUNDS, samplers=samples)  # ours and cuBLAS take turns
     row = {"name": name, "flops": flops, "relative_error": errors["ours"],
            "ok": max(errors.values()) < MAX_RELATIVE_ERROR}
     for who in ("ours", "cublas"):
         row[f"{who}_us"], row[f"{who}_graph_us"] = best[who, "us"], best[who, "graph_us"]
+        row[f"{who}_clocks"] = samples[who].summary()  # its per-call loops' SM clock and power
     row["ratio"] = row["ours_us"] / row["cublas_us"]
     row["graph_ratio"] = row["ours_graph_us"] / row["cublas_graph_us"]
     log(f"  {name:<26} ours {row['ours_us']:8.1f} us  cuBLAS {row['cublas_us']:8.1f} us  x{row['ratio']:.2f}"
-        f"  (graph x{row['graph_ratio']:.2f})  err {errors['ours']:.1e}")
+        f"  (graph x{row['graph_ratio']:.2f})  err {errors['ours']:.1e}"
+        f"  {clocks.describe(row['ours_clocks']) or '-'} / {clocks.describe(row['cublas_clocks']) or '-'}")
     if tilings:
         row["tilings"] = {}
         for t in tilings:

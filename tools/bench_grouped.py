@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from cutebwd.tools import timing
+from cutebwd.tools import clocks, timing
 from cutebwd.tools.parity import relative_error
 
 HIDDEN, WIDTHS = 5120, (5120, 1280, 1280)  # in features; q, k, v out features
@@ -62,14 +62,17 @@ def bench_tokens(t, generator, bandwidth, rate, log):
         dx.fill_(float("nan"))
         fn()
         errors[who] = relative_error(dx, want_dx)
-    best = timing.alternating_best({**variants, **summed})
-    steady = timing.interleaved_us({**variants, **summed})  # the ratios' figures (see bench_epilogue)
+    bursts, shared = {who: clocks.sampled() for who in {**variants, **summed}}, clocks.sampled()
+    best = timing.alternating_best({**variants, **summed}, samplers=bursts)
+    steady = timing.interleaved_us({**variants, **summed}, sampler=shared)  # the ratios' figures (see bench_epilogue)
     rows = sum(WIDTHS)
     nbytes = 2 * (t * rows + t * HIDDEN + rows * HIDDEN)
     floor_us = max(nbytes / bandwidth, 2 * t * rows * HIDDEN / rate) * 1e6
     row = {"tokens": t, "errors": errors, "ok": max(errors.values()) < MAX_RELATIVE_ERROR, "floor us": floor_us,
            **{f"{who} {key}": value for (who, key), value in best.items()},
-           **{f"{who} steady us": value for who, value in steady.items()}}
+           **{f"{who} steady us": value for who, value in steady.items()},
+           # SM clock and power: the turns share one; each variant's bursts have their own
+           "steady clocks": shared.summary(), **{f"{who} burst clocks": s.summary() for who, s in bursts.items()}}
     row["grouped / separate"] = row["ours grouped steady us"] / row["ours separate steady us"]
     row["burst grouped / separate"] = row["ours grouped us"] / row["ours separate us"]
     row["grouped / cuBLAS separate"] = row["ours grouped steady us"] / row["cuBLAS separate steady us"]
