@@ -82,7 +82,8 @@ def bench_tokens(t, generator, log):
         f"cuBLAS plain {row['cuBLAS plain us']:.1f}, peer {row['cuBLAS + torch us']:.1f} (steady, turn by turn"
         f"{', ' + clocks.describe(row['steady clocks']) if row['steady clocks'] else ''}); "
         f"burst fused/plain {row['burst fused / ours plain']:.3f} "
-        f"({clocks.describe(row['ours fused burst clocks']) or '-'} / {clocks.describe(row['ours plain burst clocks']) or '-'}); "
+        f"({clocks.describe(row['ours fused burst clocks']) or '-'} / "
+        f"{clocks.describe(row['ours plain burst clocks']) or '-'}); "
         f"max error {max(errors.values()):.1e}")
     return row
 

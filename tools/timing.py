@@ -46,7 +46,8 @@ def _loop_ms(fn, arg_sets, calls: int) -> float:
 def time_ms(fn, arg_sets, *, budget_ms: float = 40.0, repeats: int = 5, max_calls: int = 500,
             sampler=None) -> float:
     """Median milliseconds per call of fn(*args), args rotating over `arg_sets`. A
-    `clocks.Sampler` given as `sampler` reads the GPU's clock and power during the timed loops."""
+    `clocks.sampled()` window given as `sampler` keeps the GPU's clock and power during the
+    timed loops."""
     fn(*arg_sets[0])  # warm-up: compile, module load, allocator
     torch.cuda.synchronize()
     once = _loop_ms(fn, arg_sets, 1)
@@ -97,7 +98,7 @@ def alternating_best(timed: dict, rounds: int = 3, samplers: dict | None = None)
     """{(name, "us" | "graph_us"): microseconds}: each of `timed`'s no-argument callables per
     Python call and in graph replay, the best median of `rounds` rounds in which they take
     turns, so a host or clock hiccup of a few hundred ms (seen: a 12 us call timed at 20 us)
-    hits no one side alone. `samplers` ({name: clocks.Sampler}) read the clocks during each
+    hits no one side alone. `samplers` ({name: clocks.sampled() window}) read the clocks during each
     name's per-call loops, over all rounds."""
     import math
 
@@ -114,8 +115,8 @@ def interleaved_us(timed: dict, *, seconds: float = 3.0, warmup_s: float = 1.0, 
                    sampler=None) -> dict:
     """{name: median GPU microseconds per call} of `timed`'s no-argument callables, each
     captured as a CUDA graph of `calls` calls, the graphs replayed turn by turn (events around
-    each replay) for ~`seconds` after `warmup_s` of the same; a `clocks.Sampler` as `sampler`
-    reads the clock they share during the timed turns. For compute-bound products:
+    each replay) for ~`seconds` after `warmup_s` of the same; a `clocks.sampled()` window as
+    `sampler` keeps the clock they share during the timed turns. For compute-bound products:
     under sustained load they run the H200 into its 700 W power cap (sampled: 1050 to 1980 MHz,
     throttle reason SW power cap), so a burst's time depends on what ran before it (seen: one
     kernel timed 446 and 475 us by `alternating_best` in one run); turn by turn, every variant
