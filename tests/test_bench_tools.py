@@ -29,20 +29,21 @@ def test_clock_summary_reads_median_clock_and_power_cap_share():
 
 
 class _FakeMonitor:
-    """What the sampling process wrote, handed out as clocks.Monitor.drain does."""
+    """What the sampling process wrote, one batch read at each collect, as clocks.Monitor does."""
 
     def __init__(self, batches):
-        self.batches = list(batches)
+        self.batches, self.samples = list(batches), []
 
-    def drain(self):
-        return self.batches.pop(0) if self.batches else []
+    def collect(self):
+        self.samples += self.batches.pop(0) if self.batches else []
+        return len(self.samples)
 
 
 def test_window_keeps_the_samples_stamped_inside_it(monkeypatch):
     import time
 
     now = time.time()
-    stale = [(now - 5, 1980, 100.0, 0)]  # written before the window opened: drained at entry
+    stale = [(now - 5, 1980, 100.0, 0)]  # written before the window opened: read at entry, not kept
     inside = [(now + 0.5, 1500, 700.0, clocks.SW_POWER_CAP), (now + 0.6, 1400, 705.0, clocks.SW_POWER_CAP)]
     late = [(now + 1e6, 1980, 90.0, 0)]  # stamped after the window closed
     clock = iter([now, now + 1.0, now + 2.0, now + 3.0])
@@ -54,6 +55,22 @@ def test_window_keeps_the_samples_stamped_inside_it(monkeypatch):
         pass
     assert window.samples == [(1500, 700.0, 4), (1400, 705.0, 4), (1300, 710.0, 0)]
     assert window.summary()["sm_mhz"] == 1400 and window.summary()["power_capped"] == 2 / 3
+
+
+def test_windows_may_overlap(monkeypatch):
+    import time
+
+    now = time.time()
+    clock = iter([now, now + 1.0, now + 2.0, now + 3.0])
+    monkeypatch.setattr(clocks.time, "time", lambda: next(clock))
+    monitor = _FakeMonitor([[], [(now + 0.5, 1500, 700.0, 0)], [(now + 1.5, 1400, 705.0, 0)],
+                            [(now + 2.5, 1300, 710.0, 0)]])
+    outer, inner = clocks.Window(monitor), clocks.Window(monitor)
+    with outer:  # opens at now, closes at now + 3
+        with inner:  # opens at now + 1 (after reading the first sample), closes at now + 2
+            pass
+    assert inner.samples == [(1400, 705.0, 0)]
+    assert outer.samples == [(1500, 700.0, 0), (1400, 705.0, 0), (1300, 710.0, 0)]  # the inner one took none
 
 
 def test_window_without_a_monitor_reports_nothing():
@@ -71,10 +88,10 @@ def test_monitor_reads_whole_lines_of_the_sampling_process():
             return self.chunks.pop(0)
 
     monitor = clocks.Monitor.__new__(clocks.Monitor)
-    monitor.process, monitor.pending = type("P", (), {"stdout": Pipe()})(), b""
-    assert monitor.drain() == [(1.5, 1980, 120.5, 0)]  # the half line waits for its end
-    assert monitor.drain() == [(2.5, 1485, 701.0, 4)]
-    assert monitor.drain() == []
+    monitor.process, monitor.pending, monitor.samples = type("P", (), {"stdout": Pipe()})(), b"", []
+    assert monitor.collect() == 1 and monitor.samples == [(1.5, 1980, 120.5, 0)]  # the half line waits for its end
+    assert monitor.collect() == 2 and monitor.samples[1] == (2.5, 1485, 701.0, 4)
+    assert monitor.collect() == 2
 
 
 def test_clocks_tool_says_when_there_is_no_nvml(monkeypatch):

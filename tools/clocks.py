@@ -95,7 +95,8 @@ def describe(summary: dict) -> str:
 
 class Monitor:
     """The sampling process and what it has written: lines 'time MHz W reasons', read without
-    blocking whenever a window opens or closes."""
+    blocking whenever a window opens or closes, kept in `samples` for the whole run (~100 a
+    second, a few MB an hour) so windows may overlap."""
 
     def __init__(self, uuid: str | None, index: int, period_s: float = PERIOD_S):
         command = [sys.executable, "-m", "cutebwd.tools.clocks", "--index", str(index), "--period", str(period_s)]
@@ -103,20 +104,20 @@ class Monitor:
                                         stderr=subprocess.DEVNULL)
         os.set_blocking(self.process.stdout.fileno(), False)
         self.pending = b""
+        self.samples = []  # (time, MHz, W, reasons), in the order written
         atexit.register(self.close)
 
-    def drain(self) -> list:
-        """[(time, MHz, W, reasons)] written since the last drain."""
+    def collect(self) -> int:
+        """Reads what the process has written into `samples`; returns their count."""
         try:
             self.pending += self.process.stdout.read() or b""
         except (OSError, ValueError):
-            return []
+            return len(self.samples)
         *lines, self.pending = self.pending.split(b"\n")
-        samples = []
         for line in lines:
             t, mhz, watts, reasons = line.split()
-            samples.append((float(t), int(mhz), float(watts), int(reasons)))
-        return samples
+            self.samples.append((float(t), int(mhz), float(watts), int(reasons)))
+        return len(self.samples)
 
     def close(self):
         if self.process.poll() is None:
@@ -128,18 +129,19 @@ class Window:
     """The samples a monitor stamps while `with` blocks on this object run."""
 
     def __init__(self, monitor):
-        self.monitor, self.samples, self.opened = monitor, [], None
+        self.monitor, self.samples, self.opened, self.first = monitor, [], None, 0
 
     def __enter__(self):
         if self.monitor is not None:
-            self.monitor.drain()  # older samples belong to no window
+            self.first = self.monitor.collect()  # samples read before this belong to earlier times
             self.opened = time.time()
         return self
 
     def __exit__(self, *exc):
         if self.monitor is not None:
             closed = time.time()
-            self.samples += [s[1:] for s in self.monitor.drain() if self.opened <= s[0] <= closed]
+            self.monitor.collect()
+            self.samples += [s[1:] for s in self.monitor.samples[self.first:] if self.opened <= s[0] <= closed]
         return False
 
     def summary(self) -> dict:
@@ -156,8 +158,8 @@ def sampled(cuda_index: int | None = None) -> Window:
     if _monitor is None:
         import torch
 
-        if not torch.cuda.is_available() or Device.open(None) is None:
-            return Window(None)
+        if not torch.cuda.is_available():
+            return Window(None)  # (without NVML the process exits at once: its windows stay empty)
         index = torch.cuda.current_device() if cuda_index is None else cuda_index
         uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
         _monitor = Monitor(f"GPU-{uuid}" if uuid else None, index)
