@@ -34,10 +34,13 @@ class PaddedRows:
         rows, width = src.shape
         pieces = rows * cute.ceil_div(width, PIECE)
         self.kernel(src, dst).launch(grid=[cute.ceil_div(pieces, THREADS), 1, 1], block=[THREADS, 1, 1],
-                                     stream=stream)
+                                     stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, src: cute.Tensor, dst: cute.Tensor):
+        # A programmatic dependent launch (as 013's row kernel): CTAs take their SMs as the kernel
+        # before retires and wait here, before any global access, for its writes.
+        cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         rows, width = src.shape

@@ -85,16 +85,17 @@ def _ours_013_recompute(problem):
 
 
 def _into(op, outputs_for):
-    """The benchmark's destination-passing style: outputs allocated once per shape (NaN-poisoned,
+    """The benchmark's destination-passing style: outputs allocated at the first call (NaN-poisoned,
     so the checked first call must write every element), then written in place call after call;
-    outputs_for(inputs) makes them."""
-    outs = {}
+    outputs_for(inputs) makes them. A runner serves one case (bench_case makes one per case), so
+    every call has the first call's shapes; a call with others is rejected by the op's checks.
+    (Keying the outputs by the inputs' shapes cost ~1.2 us a call, timed as part of the op.)"""
+    outs = []
 
     def run(*inputs):
-        key = tuple(t.shape for t in inputs if isinstance(t, torch.Tensor))
-        if key not in outs:
-            outs[key] = tuple(t.fill_(float("nan")) for t in outputs_for(inputs))
-        return op(*inputs, out=outs[key])
+        if not outs:
+            outs.append(tuple(t.fill_(float("nan")) for t in outputs_for(inputs)))
+        return op(*inputs, out=outs[0])
     return run
 
 
