@@ -26,7 +26,7 @@ SHORT_K_INPUT_STAGES = 8
 MAX_ACCUMULATORS = {False: 160, True: 128}
 
 
-_SPEC = re.compile(r"(\d+)x(\d+)(?:c(\d+)x(\d+))?(p)?(s)?")
+_SPEC = re.compile(r"(\d+)x(\d+)(?:c(\d+)x(\d+))?(p)?(s)?(?:w(\d+))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,22 +50,29 @@ class GemmTiling:
     # Hopper: the two consumer warpgroups take whole tiles in turn ("pingpong"), so one's
     # epilogue runs under the other's MMAs; off, both work one tile together ("cooperative").
     pingpong: bool = False
+    # Hopper: columns of C in each piece the epilogue stages through shared memory and stores by
+    # TMA (at most tile_n). Wider pieces mean fewer stores and barriers a tile: what a product
+    # with a short K is made of (epilogue_tile).
+    epilogue_n: int = 32
 
     @property
     def spec(self) -> str:
-        """Short name: '128x256c2x1' (tile, cluster), then 'p' for pingpong, 's' for split_k;
-        the other fields at their defaults. `from_spec` reads it back."""
+        """Short name: '128x256c2x1' (tile, cluster), then 'p' for pingpong, 's' for split_k,
+        'w128' for 128-column epilogue pieces; the other fields at their defaults. `from_spec`
+        reads it back."""
         cluster = f"c{self.cluster_m}x{self.cluster_n}" if (self.cluster_m, self.cluster_n) != (1, 1) else ""
-        return f"{self.tile_m}x{self.tile_n}{cluster}{'p' if self.pingpong else ''}{'s' if self.split_k else ''}"
+        wide = f"w{self.epilogue_n}" if self.epilogue_n != GemmTiling.epilogue_n else ""
+        return f"{self.tile_m}x{self.tile_n}{cluster}{'p' if self.pingpong else ''}{'s' if self.split_k else ''}{wide}"
 
     @classmethod
     def from_spec(cls, text: str) -> "GemmTiling":
         match = _SPEC.fullmatch(text.strip())
         if not match:
-            raise ValueError(f"a tiling spec is TILE_MxTILE_N[cCLUSTER_MxCLUSTER_N][p][s], e.g. 128x128c2x1p; got {text!r}")
-        tile_m, tile_n, cluster_m, cluster_n, pingpong, split_k = match.groups()
+            raise ValueError(f"a tiling spec is TILE_MxTILE_N[cCLUSTER_MxCLUSTER_N][p][s][wEPILOGUE_N], "
+                             f"e.g. 128x128c2x1p; got {text!r}")
+        tile_m, tile_n, cluster_m, cluster_n, pingpong, split_k, epilogue_n = match.groups()
         return cls(tile_m=int(tile_m), tile_n=int(tile_n), cluster_m=int(cluster_m or 1), cluster_n=int(cluster_n or 1),
-                   pingpong=bool(pingpong), split_k=bool(split_k))
+                   pingpong=bool(pingpong), split_k=bool(split_k), epilogue_n=int(epilogue_n or cls.epilogue_n))
 
     def check_sm90(self) -> None:
         """Raise ValueError unless a Hopper warpgroup-MMA kernel can use this tiling."""
@@ -76,6 +83,9 @@ class GemmTiling:
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 32 in [32, 256] on sm_90a, got {self.tile_n}")
         self._check_k_cluster_order(max_cluster=4)
+        if self.epilogue_n not in (32, 64, 128) or self.tile_n % self.epilogue_tile()[1]:
+            raise ValueError(f"epilogue_n must be 32, 64 or 128 and its pieces must divide tile_n {self.tile_n}, "
+                             f"got {self.epilogue_n}")
         accumulators = self.tile_m * self.tile_n // (WARPGROUP_THREADS * self.tile_warpgroups)
         most = MAX_ACCUMULATORS[self.pingpong]
         if accumulators > most:
@@ -93,6 +103,8 @@ class GemmTiling:
         if self.pingpong:
             raise ValueError("pingpong is a Hopper (warpgroup MMA) schedule; sm_100a overlaps epilogues "
                              "through its two tensor-memory accumulators")
+        if self.epilogue_n != GemmTiling.epilogue_n:
+            raise ValueError("epilogue_n is the Hopper epilogue's piece width; sm_100a picks its own subtiles")
         self._check_k_cluster_order(max_cluster=8)
 
     def _check_k_cluster_order(self, max_cluster: int) -> None:
@@ -126,8 +138,8 @@ class GemmTiling:
 
     def epilogue_tile(self) -> tuple[int, int]:
         """The piece of C staged through shared memory per TMA store: the rows the tile's
-        warpgroups cover in one store (64 each), 32 columns."""
-        return (64 * self.tile_warpgroups, min(self.tile_n, 32))
+        warpgroups cover in one store (64 each), epilogue_n columns (at most the tile's)."""
+        return (64 * self.tile_warpgroups, min(self.tile_n, self.epilogue_n))
 
     def epilogue_buffers(self) -> int:
         """Shared-memory staging buffers of C: `epilogue_stages` for each team storing on its own."""
@@ -173,6 +185,14 @@ SPLIT_MIN_K = MIN_K_TILES * GemmTiling.tile_k
 # tiles; so does a batch of sums whose 128-row tiles number at most FEW_TILES (half the SMs).
 SHORT_ROPE_K = 1024
 FEW_TILES = 66
+# default_tiling, sm_90a: a product this short in K (weight gradients of a short batch: K = T)
+# is its epilogue, so 128-column store pieces (a quarter of the stores and barriers a tile).
+# Session 23, graph replay turn by turn, us, 32 / 64 / 128 columns (pingpong 128 x 128 in 2 x 1
+# clusters), C [5120, 5120] from M-major operands: K = 128 21.7 / 19.7 / 19.2, K = 256 30.2 /
+# 28.4 / 27.1, K = 512 46.5 / 47.2 / 49.2, K = 1024 87.4 / 87.4 / 91.5; 056's grouped q/k/v
+# weight gradients at T = 128 34.0 / 28.2 / 27.1, at T = 512 68.3 / 65.8 / 70.8.
+WIDE_EPILOGUE_MAX_K = 256
+WIDE_EPILOGUE_N = 128
 
 
 def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
@@ -255,7 +275,8 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     if m <= 1024 and n % 160 == 0:
         return GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
     if k <= 2048:
-        return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=arch == "sm_90a")
+        return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=arch == "sm_90a",
+                          epilogue_n=WIDE_EPILOGUE_N if k <= WIDE_EPILOGUE_MAX_K and arch == "sm_90a" else 32)
     wide_tiles = -(-m // 128) * -(-n // 256)
     if wide_tiles >= 800 or wide_tiles >= 300 and k >= 2048:
         return GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
@@ -307,9 +328,12 @@ def tuned_table(arch: str) -> dict:
 
 
 def tuned_tiling(m: int, n: int, k: int, a_k_major: bool, b_k_major: bool, arch: str) -> GemmTiling | None:
-    """The tuner's pick for the product's bucket, or None."""
+    """The tuner's pick for the product's bucket, or None: also where the pick was the rules'
+    own pick of the tuner's run (`default`), so a rule measured since then decides there."""
     entry = tuned_table(arch).get(shape_bucket(m, n, k, a_k_major, b_k_major))
-    return None if entry is None else GemmTiling.from_spec(entry["tiling"])
+    if entry is None or entry["tiling"] == entry.get("default"):
+        return None
+    return GemmTiling.from_spec(entry["tiling"])
 
 
 # Stream-K (hybrid): the first `dp_tiles` tiles go out whole, round-robin (tile = cta + u * ctas);

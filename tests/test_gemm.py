@@ -29,11 +29,31 @@ def test_sm90_tiling_checks():
                 GemmTiling(tile_m=64, tile_n=80, cluster_m=2), GemmTiling(tile_n=16)):  # 64x80: wrong on the H200
         with pytest.raises(ValueError):
             bad.check_sm90()
+    for bad in (GemmTiling(epilogue_n=96), GemmTiling(tile_n=160, epilogue_n=64), GemmTiling(tile_n=192, epilogue_n=128)):
+        with pytest.raises(ValueError, match="epilogue_n"):
+            bad.check_sm90()
+    with pytest.raises(ValueError, match="epilogue_n"):
+        GemmTiling(epilogue_n=128).check_sm100()
     pingpong = GemmTiling(pingpong=True)
     assert (pingpong.mma_warpgroups, pingpong.tile_warpgroups, pingpong.epilogue_tile()) == (2, 1, (64, 32))
+    assert GemmTiling(pingpong=True, epilogue_n=128).epilogue_tile() == (64, 128)
+    assert GemmTiling(tile_n=64, epilogue_n=128).epilogue_tile() == (128, 64)
+    wide = GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=True, epilogue_n=128)
+    assert wide.spec == "128x128c2x1pw128" and GemmTiling.from_spec(wide.spec) == wide
     for tiling, shape in ((GemmTiling(), (2, 2, (128, 32))), (GemmTiling(tile_m=256, tile_n=160), (2, 2, (128, 32))),
                           (GemmTiling(tile_m=64), (1, 1, (64, 32)))):
         assert (tiling.mma_warpgroups, tiling.tile_warpgroups, tiling.epilogue_tile()) == shape
+
+
+def test_short_k_products_store_wide_epilogue_pieces():
+    """K <= WIDE_EPILOGUE_MAX_K (a short batch's weight gradients): 128-column store pieces on
+    sm_90a; longer K and sm_100a keep the default."""
+    from cutebwd.layouts.gemm import WIDE_EPILOGUE_MAX_K, WIDE_EPILOGUE_N
+
+    assert default_tiling(5120, 5120, 128).epilogue_n == WIDE_EPILOGUE_N
+    assert default_tiling(7680, 5120, WIDE_EPILOGUE_MAX_K).epilogue_n == WIDE_EPILOGUE_N
+    assert default_tiling(5120, 5120, 512).epilogue_n == GemmTiling.epilogue_n
+    assert default_tiling(5120, 5120, 128, "sm_100a").epilogue_n == GemmTiling.epilogue_n
 
 
 def test_default_tiling_is_valid_for_the_layer_products():
@@ -129,7 +149,8 @@ def _reference(a, b):
 @pytest.mark.parametrize("a_view,b_view", [("k", "n"), ("m", "n"), ("k", "k")])
 @pytest.mark.parametrize("m,n,k", [(128, 128, 64), (296, 520, 64), (1000, 776, 1000), (2048, 5120, 512)])
 @pytest.mark.parametrize("variant", ["default", "cluster 2x1", "pingpong", "pingpong, cluster 2x1", "256x160",
-                                     "cluster 1x2", "pingpong, cluster 1x2"])
+                                     "cluster 1x2", "pingpong, cluster 1x2", "wide pieces, pingpong",
+                                     "wide pieces 64"])
 def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, variant):
     """Sizes that are not tile multiples (TMA bounds), K = 64 (one k-tile), both operand
     majors, cooperative and pingpong consumers, 256-row tiles (two 64-row blocks a warpgroup);
@@ -145,7 +166,9 @@ def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, variant):
     tiling = {"default": default_tiling(m, n, k), "cluster 2x1": dataclasses.replace(default_tiling(m, n, k), cluster_m=2),
               "pingpong": GemmTiling(pingpong=True), "pingpong, cluster 2x1": GemmTiling(pingpong=True, cluster_m=2),
               "256x160": GemmTiling(tile_m=256, tile_n=160), "cluster 1x2": GemmTiling(tile_n=256, cluster_n=2),
-              "pingpong, cluster 1x2": GemmTiling(pingpong=True, cluster_n=2)}[variant]
+              "pingpong, cluster 1x2": GemmTiling(pingpong=True, cluster_n=2),
+              "wide pieces, pingpong": GemmTiling(pingpong=True, cluster_m=2, epilogue_n=128),
+              "wide pieces 64": GemmTiling(epilogue_n=64)}[variant]
     matmul_nt(a, b, out=out, tiling=tiling)
     ref = _reference(a, b)
     assert not out.isnan().any()

@@ -20,7 +20,8 @@ def test_buckets_round_token_dimensions_up_and_keep_n():
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
-    entries = {shape_bucket(128, 5120, 5120, True, False): {"tiling": "128x64"}}
+    entries = {shape_bucket(128, 5120, 5120, True, False): {"tiling": "128x64"},
+               shape_bucket(5120, 5120, 128, False, False): {"tiling": "128x128c2x1p", "default": "128x128c2x1p"}}
     (tmp_path / "sm_90a.json").write_text(json.dumps({"arch": "sm_90a", "entries": entries}))
     monkeypatch.setattr(layouts, "TUNED_DIR", tmp_path)
     tuned_table.cache_clear()
@@ -33,6 +34,8 @@ def test_dispatch_reads_the_table_for_its_bucket_only(table):
     assert tuned_tiling(100, 5120, 5000, True, True, "sm_90a") is None  # other majors
     assert tuned_tiling(300, 5120, 5000, True, False, "sm_90a") is None  # another M bucket
     assert tuned_tiling(100, 5120, 5000, True, False, "sm_100a") is None  # no table for the arch
+    # where the tuner kept the rules' pick of its day, today's rules decide
+    assert tuned_tiling(5120, 5120, 128, False, False, "sm_90a") is None
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -59,7 +62,9 @@ def test_matmul_takes_the_tables_pick(table, monkeypatch):
 
     picked = []
     choose = gemm.choose_tiling
-    monkeypatch.setattr(gemm, "choose_tiling", lambda tiling, *rest: picked.append(tiling) or choose(tiling, *rest))
+    # the table's pick reaches choose_tiling as `tuned` (a tiling asked for would come first)
+    monkeypatch.setattr(gemm, "choose_tiling", lambda tiling, *rest, **options: picked.append(
+        tiling or options.get("tuned")) or choose(tiling, *rest, **options))
     a = torch.randn(100, 5000, device="cuda").bfloat16()
     w = torch.randn(5000, 5120, device="cuda").bfloat16()  # b = w.t(): [5120, 5000], M-major
     out = gemm.matmul_nt(a, w.t())

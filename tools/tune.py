@@ -29,9 +29,11 @@ from cutebwd.tools.parity import relative_error
 # The tilings of the sweeps behind the default rules (tools/reports/gemm-notes.md), for sm_90a,
 # and split-K variants of the small tiles (`s`: the k-iterations of few tiles dealt over every
 # SM; a host-side schedule, so no extra build); a candidate an arch cannot run is skipped for
-# it. The table of record (session 13) predates the split-K candidates.
+# it; `w128`: 128-column epilogue store pieces (short-K products). The table of record
+# (session 13) predates the split-K and w128 candidates.
 CANDIDATES = ("128x256c2x1", "128x256", "128x128c2x1", "128x128", "128x128c2x1p", "128x64", "64x128",
-              "64x128c2x1", "128x160c2x1", "256x160", "128x128s", "128x64s", "64x128s", "64x128c2x1s")
+              "64x128c2x1", "128x160c2x1", "256x160", "128x128s", "128x64s", "64x128s", "64x128c2x1s",
+              "128x128c2x1pw128")
 
 
 def runnable(spec: str, arch: str):
