@@ -176,15 +176,17 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
 # Stream-K does not pay on short K, where a partial tile's hand-over costs a few k-tiles of MMAs:
 # measured on the H200 (gemm-notes step 18), it cost 3-12% at 8 and 20 k-tiles and paid from 32.
 MIN_K_TILES = 32
+# The H200's SM count, which the rules' tile-count limits below were read off.
+H200_SMS = 132
 # Split-K for a single product of few tiles (default_tiling's group_n rule): at most about half
-# the H200's 132 SMs' worth of tiles, so each tile's K is cut at least in two, and K of at least
+# the SMs' worth of tiles, so each tile's K is cut at least in two, and K of at least
 # MIN_K_TILES whole k-tiles, so the hand-over pays.
-SPLIT_MAX_TILES = 66
+SPLIT_MAX_TILES = H200_SMS // 2
 SPLIT_MIN_K = MIN_K_TILES * GemmTiling.tile_k
 # default_tiling: a batch of per-head inverse-RoPE products up to this K takes 64-row pingpong
 # tiles; so does a batch of sums whose 128-row tiles number at most FEW_TILES (half the SMs).
 SHORT_ROPE_K = 1024
-FEW_TILES = 66
+FEW_TILES = H200_SMS // 2
 # default_tiling, sm_90a: a product this short in K (weight gradients of a short batch: K = T)
 # is its epilogue, so 128-column store pieces (a quarter of the stores and barriers a tile).
 # Session 23, graph replay turn by turn, us, 32 / 64 / 128 columns (pingpong 128 x 128 in 2 x 1
@@ -268,7 +270,7 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
         # 0.279 (256 x 32: 0.141 against 0.179; session 17 sweep).
         return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=True,
                           epilogue_input_stages=SHORT_K_INPUT_STAGES if k <= SHORT_K and fused == 1 else 2)
-    if 110 <= -(-m // 256) * -(-n // 160) <= 132 and arch == "sm_90a":
+    if 110 <= -(-m // 256) * -(-n // 160) <= H200_SMS and arch == "sm_90a":
         return GemmTiling(tile_m=256, tile_n=160)
     if m * n <= 1536 * 640 and m < 4096:
         return GemmTiling(tile_m=64, tile_n=128)
@@ -276,7 +278,8 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
         return GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
     if k <= 2048:
         return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=arch == "sm_90a",
-                          epilogue_n=WIDE_EPILOGUE_N if k <= WIDE_EPILOGUE_MAX_K and arch == "sm_90a" else 32)
+                          epilogue_n=WIDE_EPILOGUE_N if k <= WIDE_EPILOGUE_MAX_K and arch == "sm_90a"
+                          else GemmTiling.epilogue_n)
     wide_tiles = -(-m // 128) * -(-n // 256)
     if wide_tiles >= 800 or wide_tiles >= 300 and k >= 2048:
         return GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
