@@ -97,14 +97,14 @@ def _resolve(a_list, b, outs, tiling, c_dtype, stream_k):
     ms, (n, k) = tuple(a.shape[0] for a in a_list), b.shape
     arch = _device_arch(b.device)
     a_k_major, b_k_major = _k_major(a_list[0], "a_list[0]"), _k_major(b, "b")
-    chosen = tiling or grouped_tiling(ms, n, k, a_k_major, b_k_major, arch)
+    chosen = tiling or stacked_tiling(ms, n, k, a_k_major, b_k_major, arch)
     run = _kernel(arch, b.device, chosen, a_k_major, b_k_major, c_dtype, products=len(a_list), stack="m")
     call = _calls[ms, n, k, a_k_major, b_k_major, c_dtype, b.device.index, tiling, stream_k] = _Call(
         *run, chosen, stacked_rows(ms, chosen), n, k, b.device, stream_k, getattr(torch, c_dtype))
     return call
 
 
-def grouped_tiling(ms, n: int, k: int, a_k_major: bool, b_k_major: bool, arch: str) -> GemmTiling:
+def stacked_tiling(ms, n: int, k: int, a_k_major: bool, b_k_major: bool, arch: str) -> GemmTiling:
     """A group's tiling where none is asked for: the tuner's pick for the stacked product's
     bucket (as for one product: layouts.gemm.tuned_tiling), else the rules'."""
     return tuned_tiling(sum(ms), n, k, a_k_major, b_k_major, arch) or default_tiling(sum(ms), n, k, arch)
