@@ -4,8 +4,8 @@ multiples, with results poisoned before the call."""
 import pytest
 import torch
 
-from cutebwd.kernels.gemm_grouped import matmul_nt_grouped, matmul_nt_summed, stacked_tiling
-from cutebwd.layouts.gemm import GemmTiling, default_tiling, tuned_tiling
+from cutebwd.kernels.gemm_grouped import matmul_nt_grouped, matmul_nt_summed
+from cutebwd.layouts.gemm import GemmTiling
 from cutebwd.tools.parity import relative_error
 
 
@@ -23,18 +23,6 @@ def test_group_size_and_outs_are_checked_first():
         matmul_nt_summed([(a, a)], out=None)
     with pytest.raises(ValueError, match=r"^pairs: a list of two or three \(a, b\) pairs"):
         matmul_nt_summed([(a, a), (a,)])
-
-
-def test_a_group_takes_the_tuners_pick_for_its_stacked_bucket():
-    # 056's q/k/v weight gradients (dW_i = dY_i^T . X: both operands M-major), stacked 7680 rows
-    ms, n = (5120, 1280, 1280), 5120
-    tuned = tuned_tiling(sum(ms), n, 8192, False, False, "sm_90a")
-    assert tuned is not None and tuned != default_tiling(sum(ms), n, 8192)  # the table differs from the rules there
-    assert stacked_tiling(ms, n, 8192, False, False, "sm_90a") == tuned
-    # where the table kept its day's rule, today's rules decide (T = 128: 128-column store pieces)
-    assert tuned_tiling(sum(ms), n, 128, False, False, "sm_90a") is None
-    assert stacked_tiling(ms, n, 128, False, False, "sm_90a") == default_tiling(sum(ms), n, 128)
-    assert stacked_tiling(ms, n, 128, False, False, "sm_90a").epilogue_n == 128
 
 
 def _group(ms, n, k, k_major, seed):

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
+from cutebwd.kernels.gemm_grouped import stacked_tiling
 from cutebwd.kernels.runtime import ARCHES
 from cutebwd.layouts import gemm as layouts
-from cutebwd.layouts.gemm import GemmTiling, shape_bucket, tuned_table, tuned_tiling
+from cutebwd.layouts.gemm import GemmTiling, default_tiling, shape_bucket, tuned_table, tuned_tiling
 from cutebwd.tools import tune
 from cutebwd.tools.parity import relative_error
 
@@ -36,6 +37,14 @@ def test_dispatch_reads_the_table_for_its_bucket_only(table):
     assert tuned_tiling(100, 5120, 5000, True, False, "sm_100a") is None  # no table for the arch
     # where the tuner kept the rules' pick of its day, today's rules decide
     assert tuned_tiling(5120, 5120, 128, False, False, "sm_90a") is None
+
+
+def test_a_group_takes_the_pick_for_its_stacked_bucket(table):
+    # three products of 40, 30 and 30 rows stack to 100: the 128-row bucket's pick
+    assert stacked_tiling((40, 30, 30), 5120, 5000, True, False, "sm_90a") == GemmTiling.from_spec("128x64")
+    # where the tuner kept its day's rule, today's rules decide (K = 128: 128-column store pieces)
+    assert stacked_tiling((2560, 2560), 5120, 128, False, False, "sm_90a") == default_tiling(5120, 5120, 128)
+    assert stacked_tiling((2560, 2560), 5120, 128, False, False, "sm_90a").epilogue_n == 128
 
 
 @pytest.mark.parametrize("arch", ARCHES)
