@@ -222,10 +222,9 @@ class _Entry:
         self.device, self.head_dim, self.q_heads = device, head_dim, q_heads
         self.arch = _device_arch(device)
         self.max_ctas = torch.cuda.get_device_properties(device).multi_processor_count  # the widest grid
-        # per stream: one partial row of both norm-weight gradients per CTA of the norm grid,
-        # and the summed product's grid-barrier counters
-        self.scratch = _NormScratch(self.max_ctas, 2 * head_dim, device)
-        self.dqk = runtime.GrowingBuffer(torch.bfloat16, device)
+        # per stream, one lookup a call: the norm grid's partial rows, the grid barrier's
+        # counters and the dq/dk buffer
+        self.scratch = _Scratch(self.max_ctas, 2 * head_dim, device)
         self._clusters = {}  # cluster size -> clusters the device holds at once (the query synchronizes)
 
     def max_clusters(self, size: int) -> int:
@@ -234,14 +233,20 @@ class _Entry:
         return self._clusters[size]
 
 
-class _NormScratch(runtime.StreamWorkspace):
-    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]) and the grid barrier's
-    counters (int32 [2], zero between calls)."""
+class _Scratch(runtime.StreamWorkspace):
+    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's counters
+    (int32 [2], zero between calls) and the dq/dk buffer (bf16, grown to the longest call; the
+    three are made again together when it grows, which the caching allocator makes safe as for
+    runtime.GrowingBuffer)."""
 
-    def _new(self):
+    def _new(self, dqk_elements: int):
         import torch
 
-        return super()._new(), torch.zeros(2, dtype=torch.int32, device=self.device)
+        return (super()._new(), torch.zeros(2, dtype=torch.int32, device=self.device),
+                torch.empty(dqk_elements, dtype=torch.bfloat16, device=self.device))
+
+    def _fits(self, buffer, dqk_elements: int) -> bool:
+        return buffer[2].numel() >= dqk_elements
 
 
 class _Plan:
@@ -380,11 +385,10 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
         _explain(inputs, out)
         raise ValueError("hidden_states, grad_value and out[grad_hidden_states] are read as [T, *] rows: their "
                          "batch stride must be seq rows")
-    partials, arrivals = plan.entry.scratch.get()
+    partials, arrivals, dqk = plan.entry.scratch.get(plan.dqk_elements)
     try:
         plan.run(grad_query, query_transposed, q_rstd, q_normed, q_norm_weight, grad_key, key_transposed, k_rstd,
-                 k_normed, k_norm_weight, grad_value, hidden_states, q_weight, k_weight, v_weight, *out,
-                 plan.entry.dqk.get(plan.dqk_elements), partials,
+                 k_normed, k_norm_weight, grad_value, hidden_states, q_weight, k_weight, v_weight, *out, dqk, partials,
                  *(plan.summed.fixed_args or (*plan.summed.workspace.get(), *plan.summed.schedule)),
                  *(plan.grouped.fixed_args or (*plan.grouped.workspace.get(), *plan.grouped.schedule)),
                  arrivals, plan.grid)

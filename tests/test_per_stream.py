@@ -1,0 +1,74 @@
+"""Per-stream scratch (kernels/runtime.PerStream): one set per CUDA stream, a fresh one under
+graph capture, the capture query skipped on the legacy default stream; 051's combined scratch
+grows with its dq/dk need. On any machine: the stream and capture queries are stood in for."""
+import pytest
+import torch
+
+from cutebwd.kernels import runtime
+
+
+class Counter(runtime.PerStream):
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.made = 0
+
+    def _new(self):
+        self.made += 1
+        return self.made
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    """state['stream']: the current raw stream handle; state['capturing']: the capture flag;
+    state['queries']: how often the capture flag was asked for."""
+    state = {"stream": 0, "capturing": False, "queries": 0}
+
+    def capturing():
+        state["queries"] += 1
+        return state["capturing"]
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: state["stream"], raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
+    return state
+
+
+def test_one_set_per_stream(streams):
+    scratch = Counter()
+    assert scratch.get() == scratch.get() == 1
+    streams["stream"] = 0x7F00
+    assert scratch.get() == scratch.get() == 2
+    streams["stream"] = 0
+    assert scratch.get() == 1
+
+
+def test_the_default_stream_skips_the_capture_query(streams):
+    scratch = Counter()
+    scratch.get()
+    assert streams["queries"] == 0
+    streams["stream"] = 0x7F00
+    scratch.get()
+    assert streams["queries"] == 1
+
+
+def test_capture_gets_its_own_set_every_time(streams):
+    scratch = Counter()
+    streams["stream"] = 0x7F00
+    eager = scratch.get()
+    streams["capturing"] = True
+    captured = [scratch.get(), scratch.get()]
+    assert len({eager, *captured}) == 3
+    streams["capturing"] = False
+    assert scratch.get() == eager
+
+
+def test_051_scratch_grows_with_dq_dk(streams):
+    from cutebwd.kernels.qkv_qknorm_backward import _Scratch
+
+    scratch = _Scratch(4, 8, torch.device("cpu"))
+    partials, arrivals, dqk = scratch.get(100)
+    assert partials.shape == (4, 8) and partials.dtype == torch.float32
+    assert arrivals.tolist() == [0, 0] and arrivals.dtype == torch.int32
+    assert dqk.numel() == 100 and dqk.dtype == torch.bfloat16
+    assert scratch.get(60)[2] is dqk  # fits: the same set
+    grown = scratch.get(101)
+    assert grown[2].numel() == 101 and grown[2] is not dqk and grown[1].tolist() == [0, 0]
