@@ -42,6 +42,17 @@ def token_rows(t):
                                                          stride=((stride[1], stride[2], stride[0]), stride[3])))
 
 
+def row_coord(r, rows):
+    """Row r of a head_rows / token_rows view as its (s, head, b) coordinate: one division by
+    the runtime seq (heads is a compile-time count). Indexing the view with the flat r instead
+    made each tensor's access divide by seq and by seq * heads (emulated integer divisions, ~47
+    of them a four-row batch in the sm_90a build, ~1300 instructions) and left the rows at
+    ~55-65% of copy bandwidth (session 25)."""
+    seq, heads = rows.shape[0][0], rows.shape[0][1]
+    sh = r // seq
+    return (r - sh * seq, sh % heads, sh // heads)
+
+
 class QkNormBackward:
     """dq, dk and the per-CTA partials of both norm-weight gradients (the caller adds them:
     051's summed product does it in its idle warps, column_sum.ColumnSumsInWarps).
@@ -96,23 +107,24 @@ class QkNormBackward:
         pre = cute.make_rmem_tensor((VECTOR, vpl, flight), BFloat16)
         normed = cute.make_rmem_tensor((VECTOR, vpl, flight), BFloat16)
         rstd = cute.make_rmem_tensor((flight,), Float32)
+        slots = (grad, pre, normed, rstd)
         rows_q, rows_k = cute.size(g_q, mode=[0]), cute.size(g_k, mode=[0])
         stride = ctas * warps
         for first in cutlass.range(bidx * warps + warp, rows_q + rows_k, stride * flight):
             for i in cutlass.range_constexpr(flight):
                 r = first + i * stride
                 if r < rows_q:
-                    self.load(atom, g_q, x_q, r_q, n_q, r, lane, grad, pre, normed, rstd, i)
+                    self.load(atom, g_q, x_q, r_q, n_q, row_coord(r, g_q), lane, *slots, i)
                 else:
                     if r < rows_q + rows_k:
-                        self.load(atom, g_k, x_k, r_k, n_k, r - rows_q, lane, grad, pre, normed, rstd, i)
+                        self.load(atom, g_k, x_k, r_k, n_k, row_coord(r - rows_q, g_k), lane, *slots, i)
             for i in cutlass.range_constexpr(flight):
                 r = first + i * stride
                 if r < rows_q:
-                    self.finish(atom, o_q, scale_q, sums_q, r, lane, grad, pre, normed, rstd, i)
+                    self.finish(atom, o_q, scale_q, sums_q, row_coord(r, g_q), lane, *slots, i)
                 else:
                     if r < rows_q + rows_k:
-                        self.finish(atom, o_k, scale_k, sums_k, r - rows_q, lane, grad, pre, normed, rstd, i)
+                        self.finish(atom, o_k, scale_k, sums_k, row_coord(r - rows_q, g_k), lane, *slots, i)
         across = cute.make_tensor(cute.recast_ptr(scratch, dtype=Float32), cute.make_layout((self.head_dim, warps)))
         d = self.head_dim
         row = m_part[bidx, None]
@@ -135,7 +147,7 @@ class QkNormBackward:
 
     @cute.jit
     def load(self, atom, m_grad, m_pre, m_rstd, m_normed, r, lane, grad, pre, normed, rstd, i):
-        """Head row r's loads into in-flight slot i."""
+        """The loads of head row r (a `row_coord`) into in-flight slot i."""
         rstd[i] = m_rstd[r, 0]
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             v = lane + 32 * j
@@ -146,7 +158,7 @@ class QkNormBackward:
 
     @cute.jit
     def finish(self, atom, m_out, scale, sums, r, lane, grad, pre, normed, rstd, i):
-        """Head row r from slot i: out = bf16(rstd * gn - x * rstd^3 * sum(gn * x) / d) with
+        """Head row r (a `row_coord`) from slot i: out = bf16(rstd * gn - x * rstd^3 * sum(gn * x) / d) with
         gn = grad * scale; sums += grad * normed."""
         staging = cute.make_rmem_tensor((VECTOR,), BFloat16)
         dot = Float32(0.0)
