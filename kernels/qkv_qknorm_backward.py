@@ -173,14 +173,14 @@ def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling
 
 def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
     """The weight gradients' tiling: the GEMM core's rules (64 x 128 tiles for these ~1M-element
-    results), but where the session-14 sweep measured better (graph replay, H200, Gemma-3-270m
-    dims): T = 4096 128 x 64 tiles 17.1 us against 18.0; T = 8192 128 x 128 tiles in 2 x 1
-    clusters split-K 31.7 against 33.5. At T = 2048 the rules' pick was the best."""
-    if arch == "sm_90a":
-        if tokens >= 6144:
-            return GemmTiling(cluster_m=2, split_k=True)
-        if tokens >= 3072:
-            return GemmTiling(tile_n=64)
+    results), but from T = 3072 on sm_90a the same tiles in 2 x 1 clusters (hidden_states, the
+    shared B, multicast to the pair: half its L2 reads). Session 25 on the H200 (graph replay,
+    turn by turn, Gemma-3-270m dims), the product alone at T = 4096 / 8192: 16.2 / 29.6 us
+    against 18.0 / 33.3 for 128 x 64 and 21.0 / 32.6 for the 128 x 128 2 x 1 split-K picked
+    before (session 14); the whole op at 4096 / 8192 / 541 x 16: 49.3 / 85.8 / 90.4 against
+    49.4 / 89.6 / 94.3."""
+    if arch == "sm_90a" and tokens >= 3072:
+        return GemmTiling(tile_m=64, cluster_m=2)
     return default_tiling(width, hidden, tokens, arch)
 
 
