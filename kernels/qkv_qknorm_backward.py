@@ -176,9 +176,9 @@ def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTilin
     results), but from T = 3072 on sm_90a the same tiles in 2 x 1 clusters (hidden_states, the
     shared B, multicast to the pair: half its L2 reads). Session 25 on the H200 (graph replay,
     turn by turn, Gemma-3-270m dims), the product alone at T = 4096 / 8192: 16.2 / 29.6 us
-    against 18.0 / 33.3 for 128 x 64 and 21.0 / 32.6 for the 128 x 128 2 x 1 split-K picked
-    before (session 14); the whole op at 4096 / 8192 / 541 x 16: 49.3 / 85.8 / 90.4 against
-    49.4 / 89.6 / 94.3."""
+    against 18.0 / 33.3 for 128 x 64 (session 14's pick at 4096) and 21.0 / 32.6 for 128 x 128
+    tiles in 2 x 1 clusters split-K (its pick at 8192); the whole op at 4096 / 8192 / 541 x 16:
+    49.3 / 85.8 / 90.4 against session 14's picks' 49.4 / 89.6 / 94.3."""
     if arch == "sm_90a" and tokens >= 3072:
         return GemmTiling(tile_m=64, cluster_m=2)
     return default_tiling(width, hidden, tokens, arch)
@@ -235,9 +235,9 @@ class _Entry:
 
 class _Scratch(runtime.StreamWorkspace):
     """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's counters
-    (int32 [2], zero between calls) and the dq/dk buffer (bf16, grown to the longest call; the
-    three are made again together when it grows, which the caching allocator makes safe as for
-    runtime.GrowingBuffer)."""
+    (int32 [2], zero between calls) and the dq/dk buffer (bf16, grown to the longest call). The
+    three are made again together when it grows; dropping the old ones is safe, as the caching
+    allocator hands their memory out again only after the work already queued on that stream."""
 
     def _new(self, dqk_elements: int):
         import torch

@@ -134,24 +134,6 @@ class PerStream:
         return buffer
 
 
-class GrowingBuffer(PerStream):
-    """A flat scratch buffer per CUDA stream, replaced by a larger one when a call needs more
-    elements than it holds. Dropping the old one is safe: the caching allocator hands its memory
-    out again only after the work already queued on that stream."""
-
-    def __init__(self, dtype, device):
-        super().__init__(device)
-        self.dtype = dtype
-
-    def _new(self, elements: int):
-        import torch
-
-        return torch.empty(elements, dtype=self.dtype, device=self.device)
-
-    def _fits(self, buffer, elements: int) -> bool:
-        return buffer.numel() >= elements
-
-
 class StreamWorkspace(PerStream):
     """A scratch fp32 [rows, cols] buffer per CUDA stream (subclasses add what else they keep)."""
 
