@@ -10,7 +10,6 @@ Prints, per token count, us a call (graph replay, turn by turn) and TB/s for the
 prologue), then the op's us a call for each variant, parity first on NaN-poisoned outputs.
 """
 import importlib.util
-import os
 import sys
 
 import torch
@@ -80,7 +79,7 @@ def rows_alone(tokens, variants):
     dqk = torch.empty(tokens * (HEADS + 1) * D, dtype=torch.bfloat16, device="cuda")
     parts = torch.empty(sms, 2 * D, dtype=torch.float32, device="cuda")
     args = (g_q, pre_q, r_q, n_q, w_q, g_k, pre_k, r_k, n_k, w_k, dqk, parts, sms)
-    want = None
+    want, first = None, None  # the first variant that ran, which the others are compared with
     calls = {}
     for name, make in variants.items():
         try:
@@ -92,8 +91,8 @@ def rows_alone(tokens, variants):
             print(f"alone T={tokens} {name}: FAILED {type(e).__name__}: {e}", flush=True)
             continue
         if want is None:
-            want = got
-        print(f"alone T={tokens} {name}: dq/dk equal to {next(iter(variants))}'s: {torch.equal(got, want)}",
+            want, first = got, name
+        print(f"alone T={tokens} {name}: dq/dk equal to {first}'s: {torch.equal(got, want)}",
               flush=True)
         calls[name] = lambda run=run: run(*args)
     src = torch.randn(21 * 2**20, device="cuda").to(torch.bfloat16)
