@@ -249,11 +249,11 @@ def launch_schedule(prologue, threads: int, a_smem, spec: str, dp_tiles, sk_per,
 
 
 @cute.jit
-def run_prologue(prologue, args, arrivals, scratch, thread, threads: int):
+def run_prologue(prologue, args, arrivals, scratch, capacity: int, thread, threads: int):
     """The GEMM core's prologue: `prologue.run` in every thread of every CTA, with the main
-    loop's A stages as its scratch shared memory, then the grid barrier. The scratch's generic
+    loop's A stages as its scratch shared memory (`capacity` bytes), then the grid barrier. The scratch's generic
     accesses come before the stages' first TMA fill (the async-proxy fence)."""
-    prologue.run(args, scratch, thread, threads)
+    prologue.run(args, scratch, capacity, thread, threads)
     cute.arch.fence_proxy("async.shared", space="cta")
     grid_barrier(arrivals, thread)
 

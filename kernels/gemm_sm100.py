@@ -296,7 +296,8 @@ class Sm100Gemm:
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
         if cutlass.const_expr(self.prologue is not None):
-            run_prologue(self.prologue, prologue_args, arrivals, storage.sA.data_ptr(), tidx, self.threads)
+            run_prologue(self.prologue, prologue_args, arrivals, storage.sA.data_ptr(), cute.cosize(a_smem) * 2,
+                         tidx, self.threads)
 
         if warp == TMA_WARP:
             a_mask, b_mask = None, None  # a lone CTA loads for itself

@@ -69,7 +69,8 @@ class Sm90Gemm:
         the `side_args` given at launch; it must not touch the product's tensors.
         prologue: work every thread of every CTA does before the main loop, ending at a grid
         barrier, so the main loop may read what it wrote (gemm.run_prologue; its shared memory
-        is the A stages', `prologue.scratch_bytes(threads)` of it)."""
+        is the A stages', at least `prologue.scratch_bytes(threads)` of it; `prologue.run(args,
+        scratch, capacity, thread, threads)` is told their whole size)."""
         tiling.check_sm90()
         self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
         self.prologue = prologue
@@ -209,7 +210,8 @@ class Sm90Gemm:
             # qkv_qknorm_backward's audit note.)
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()
-            run_prologue(self.prologue, prologue_args, arrivals, storage.sA.data_ptr(), tidx, self.threads)
+            run_prologue(self.prologue, prologue_args, arrivals, storage.sA.data_ptr(), cute.cosize(a_smem) * 2,
+                         tidx, self.threads)
         stage_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
         # One producer thread arms each stage; every consumer warp that reads it releases it, in

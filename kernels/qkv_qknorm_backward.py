@@ -60,7 +60,7 @@ class QkvQkNormBackward:
     def __init__(self, head_dim: int, q_heads: int, hidden: int, arch: str, summed: GemmTiling,
                  grouped: GemmTiling):
         self.head_dim, self.q_heads, self.hidden = head_dim, q_heads, hidden
-        self.norm = QkNormBackward(head_dim, in_flight=4)
+        self.norm = QkNormBackward(head_dim)
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
         # Both launches under programmatic dependent launch: a product's CTAs start (barriers,
         # descriptors) as the previous kernel's retire. The norm-weight gradients' column sums
@@ -193,12 +193,12 @@ def _audit_build(tokens: int):
 
 
 AUDIT_BUILDS = {f"qkv_qknorm_backward[T={t}]": _audit_build(t) for t in (1024, 4096, 8192)}
-# The norm rows: 16-byte loads and stores of bf16 rows and partials; the products: the GEMM
-# core's own expectations (warpgroup or tcgen05 MMAs fed by TMA, TMA stores). No spills, no
+# The norm rows: 16-byte cp.async loads into each warp's ring and 16-byte stores; the
+# products: the GEMM core's own expectations (warpgroup or tcgen05 MMAs fed by TMA, TMA stores). No spills, no
 # float atomics (fixed-order sums).
-AUDIT_EXPECTS = {"sm_90a": {"require": ["LDG.128", "STG.128", "HGMMA", "UTMALDG", "UTMASTG"],
+AUDIT_EXPECTS = {"sm_90a": {"require": ["LDGSTS", "STG.128", "HGMMA", "UTMALDG", "UTMASTG"],
                             "forbid": ["LOCAL", "ATOM/RED.FLOAT", "HGMMA.SERIAL"]},
-                 "sm_100a": {"require": ["LDG.128", "STG.128", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM"],
+                 "sm_100a": {"require": ["LDGSTS", "STG.128", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM"],
                              "forbid": ["LOCAL", "ATOM/RED.FLOAT"]}}
 # One known exception. At T >= 6144 the summed product runs 256 x 160 tiles, and with the norm
 # prologue in the kernel ptxas spills three values (an address set up before the tile loop, 7
