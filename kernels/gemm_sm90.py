@@ -77,8 +77,8 @@ class Sm90Gemm:
         beside: work for one more warpgroup that runs beside the main loop, making (part of) A in
         global memory as the MMAs go: `beside.run(args, scratch, thread)` with shared memory of
         its own (`beside.scratch_bytes()`, taken from the stages); the producer calls
-        `beside.await_k_tile(args, term, m, k)` before it loads A's k-tile k of tile row m (term:
-        which product of a sum); after the producer's last load, `beside.finish(args, thread)`
+        `beside.await_k_tile(args, term, m, k, state)` before it loads A's k-tile k of tile row m
+        (term: which product of a sum; state: `beside.producer_state()`, its own); after the producer's last load, `beside.finish(args, thread)`
         (e.g. resetting the flags it waited on). The grid is co-resident (cooperative), as for a
         prologue."""
         tiling.check_sm90()
@@ -308,6 +308,8 @@ class Sm90Gemm:
             if warp == 0:
                 units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                if cutlass.const_expr(self.beside is not None):
+                    beside_state = self.beside.producer_state()
                 for u in cutlass.range(units):
                     tile, k_begin, k_end = unit(u, plan)
                     l, within = batch_tile(tile, tiles_m * tiles_n, self.batched)
@@ -316,7 +318,7 @@ class Sm90Gemm:
                     for k in cutlass.range(k_begin, k_end):
                         if cutlass.const_expr(self.beside is not None):
                             term, kk = stacked_index(k, k_starts)
-                            self.beside.await_k_tile(beside_args, term, m, kk)
+                            self.beside.await_k_tile(beside_args, term, m, kk, beside_state)
                         ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
                         a_mask = a_peers if cutlass.const_expr(t.cluster_n > 1) else 0

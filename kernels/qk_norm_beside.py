@@ -54,7 +54,8 @@ class QkNormBeside:
         self.head_dim, self.q_heads, self.tile_m, self.tile_k, self.n_tiles = head_dim, q_heads, tile_m, tile_k, n_tiles
         self.heads = q_heads + 1
 
-        self.slots = max(2, min(BESIDE_SLOTS, RING_BYTES // (self.rows.slot_bytes() * WARPS)))
+        self.slots = max(2, min(BESIDE_SLOTS, RING_BYTES // (self.rows.slot_bytes() * WARPS))) // 2 * 2
+        self.together = self.slots // 2  # rows finished together (rows_in_turns)
 
     def scratch_bytes(self) -> int:
         """The warps' rings; the partial rows' exchange reuses them."""
@@ -90,18 +91,28 @@ class QkNormBeside:
             side = cutlass.select_(head < self.q_heads, Int32(0), Int32(1))
             return side, (s, cutlass.select_(head < self.q_heads, head, Int32(0)), b)
 
-        def stored(side, coord):
-            # every lane's stores of the row, then one release by lane 0 (bar.warp.sync orders
-            # the lanes' stores before it; the reader fences the async proxy after its acquire)
+        # A release costs a MEMBAR.GPU, which waits for all of the thread's loads in flight (the
+        # ring's next rows) as well: one per turn of the ring, for the turn's rows together.
+        pending = cute.make_rmem_tensor((2 * self.together,), Int32)  # the flag of each slot's row (-1: none)
+        pending.fill(-1)
+
+        def stored(slot, side, coord):
             s, head, b = coord
+            pending[slot] = (head + side * self.q_heads) * m_tiles + (s + b * seq) // self.tile_m
+
+        def publish():
+            # every lane's stores of the turn's rows, ordered before lane 0's fence by
+            # bar.warp.sync; the reader fences the async proxy after its acquire
             cute.arch.sync_warp()
             if lane == 0:
-                m = (s + b * seq) // self.tile_m
-                cute.arch.atomic_add(flags + (head + side * self.q_heads) * m_tiles + m, Int32(1), sem="release",
-                                     scope="gpu")
+                cute.arch.fence_acq_rel_gpu()
+                for j in cutlass.range_constexpr(2 * self.together):
+                    if pending[j] >= 0:
+                        cute.arch.atomic_add(flags + pending[j], Int32(1), sem="relaxed", scope="gpu")
+            pending.fill(-1)
 
-        self.rows.rows_staged(atom, sides, locate, rows_q + tokens, scratch, bidx * WARPS + warp, ctas * WARPS, lane,
-                              warp, WARPS, self.slots, after_row=stored)
+        self.rows.rows_in_turns(atom, sides, locate, rows_q + tokens, scratch, bidx * WARPS + warp, ctas * WARPS,
+                                lane, warp, WARPS, self.together, after_row=stored, after_turn=publish)
         sync = pipeline.NamedBarrier(barrier_id=ROWS_BARRIER, num_threads=WARPS * 32)
         sync.arrive_and_wait()  # the partial rows below reuse the other warps' rings
         across = cute.make_tensor(cute.recast_ptr(scratch, dtype=cutlass.Float32),
@@ -116,25 +127,34 @@ class QkNormBeside:
         sync.arrive_and_wait()
         self.sums.run((partial_rows, out_q, out_k), warp, WARPS)
 
+    def producer_state(self):
+        """The producer's memory of the last rows it waited for (m-tile and head)."""
+        state = cute.make_rmem_tensor((1,), Int32)
+        state[0] = -1
+        return state
+
     @cute.jit
-    def await_k_tile(self, args, term, m, kk):
+    def await_k_tile(self, args, term, m, kk, state):
         """Before the producer loads A's k-tile kk of term `term` (0 v, 1 q, 2 k) for tile row
-        m: wait until the rows it covers are stored."""
+        m: wait until the rows it covers are stored. A head's k-tiles after its first find the
+        same flags set: no wait (each is an L2 round trip before the TMA load)."""
         q, k, _, counters, _, _ = args
         tokens = cute.size(k[0], mode=[0])
         if term > 0:
-            if m * self.tile_m < tokens:
+            first = kk * self.tile_k // self.head_dim
+            last = cutlass.min((kk * self.tile_k + self.tile_k - 1) // self.head_dim, self.q_heads - 1)
+            if term == 2:
+                first, last = Int32(self.q_heads), Int32(self.q_heads)
+            seen = m * (self.heads + 1) + last
+            if m * self.tile_m < tokens and seen != state[0]:
                 m_tiles = (tokens + self.tile_m - 1) // self.tile_m
                 rows = cutlass.min(self.tile_m, tokens - m * self.tile_m)
-                first = kk * self.tile_k // self.head_dim
-                last = cutlass.min((kk * self.tile_k + self.tile_k - 1) // self.head_dim, self.q_heads - 1)
-                if term == 2:
-                    first, last = Int32(self.q_heads), Int32(self.q_heads)
                 for head in cutlass.range(first, last + 1):
                     flag = counters.iterator + COUNTERS + head * m_tiles + m
                     while cute.arch.load(flag, Int32, sem="acquire", scope="gpu") < rows:
                         pass
                 cute.arch.fence_proxy("async.global")  # the TMA loads below see the rows
+                state[0] = seen
 
     @cute.jit
     def finish(self, args, thread):

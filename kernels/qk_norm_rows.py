@@ -205,14 +205,15 @@ class QkNormBackward:
 
     @cute.jit
     def rows_staged(self, atom, sides, locate, total, scratch, first, stride, lane, warp, warps: int,
-                    ring_slots: int, after_row=None):
+                    ring_slots: int, after_row=None, after_turn=None):
         """This warp's rows r = first + n * stride (r < total; `locate(r)` -> (side, (s, head,
         b)), side 0 for q, 1 for k) through a ring of `ring_slots` rows in shared memory: row
         n + ring_slots - 1's loads go out (cp.async, 16 bytes a lane) before row n is finished,
         so a warp keeps loads in flight while it computes, without registers for them. Each
         lane reads back only the vectors it copied itself, so the wait is the lane's own
-        (cp.async groups) and no warp barrier is needed. `after_row(side, coord)`: run by the
-        whole warp once a row's dq/dk are stored."""
+        (cp.async groups) and no warp barrier is needed. `after_row(slot, side, coord)`: run by
+        the whole warp once a row's dq/dk are stored; `after_turn()` once per turn of the ring
+        (after `ring_slots` rows)."""
         vpl = self.vectors_per_lane
         ring = cute.make_tensor(cute.recast_ptr(scratch, dtype=BFloat16),
                                 cute.make_layout((VECTOR, 32, vpl, 3, ring_slots, warps)))
@@ -234,8 +235,83 @@ class QkNormBackward:
                     if at[3, j] == i:
                         self.finish_staged(atom, sides[i], ring, rstd, at, slots, j, lane, warp)
                         if cutlass.const_expr(after_row is not None):
-                            after_row(i, (at[0, j], at[1, j], at[2, j]))
+                            after_row(j, i, (at[0, j], at[1, j], at[2, j]))
+            if cutlass.const_expr(after_turn is not None):
+                after_turn()
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def rows_in_turns(self, atom, sides, locate, total, scratch, first, stride, lane, warp, warps: int,
+                      together: int, after_row=None, after_turn=None):
+        """As rows_staged, but `together` rows at a time: the ring's two halves take turns, one
+        filling (cp.async) while the other's rows are finished together, their warp reductions
+        interleaved. For a warp alone on its scheduler (the GEMM's `beside` warpgroup), where one
+        row's dependent chain (shared-memory loads, the butterfly) leaves it idle."""
+        vpl = self.vectors_per_lane
+        ring = cute.make_tensor(cute.recast_ptr(scratch, dtype=BFloat16),
+                                cute.make_layout((VECTOR, 32, vpl, 3, 2 * together, warps)))
+        fill = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=16 * 8)
+        rstd = cute.make_rmem_tensor((2 * together,), Float32)
+        at = cute.make_rmem_tensor((4, 2 * together), Int32)  # each slot's row: (s, head, b, side)
+        held = (cute.make_rmem_tensor((VECTOR, vpl, together), BFloat16),
+                cute.make_rmem_tensor((VECTOR, vpl, together), BFloat16))  # grad and pre-norm of a turn
+        dots = cute.make_rmem_tensor((together,), Float32)
+        rows = (total - first + stride - 1) // stride  # this warp's row count (<= 0: none)
+        turns = (rows + together - 1) // together
+        for j in cutlass.range_constexpr(together):
+            self.issue(fill, sides, locate, total, first + j * stride, ring, rstd, at, j, lane, warp)
+        for t0 in cutlass.range(0, turns, 2):
+            for h in cutlass.range_constexpr(2):
+                ahead = (t0 + h + 1) * together
+                for j in cutlass.range_constexpr(together):
+                    self.issue(fill, sides, locate, total, first + (ahead + j) * stride, ring, rstd, at,
+                               (1 - h) * together + j, lane, warp)
+                cute.arch.cp_async_wait_group(together)  # this turn's rows have landed
+                self.finish_turn(atom, sides, ring, rstd, at, held, dots, h * together, together, lane, warp,
+                                 after_row)
+                if cutlass.const_expr(after_turn is not None):
+                    after_turn()
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def finish_turn(self, atom, sides, ring, rstd, at, held, dots, base: int, together: int, lane, warp, after_row):
+        """`finish` for ring slots base .. base + together - 1 at once: every row's dot product,
+        then their butterflies interleaved, then every row's output."""
+        grad, pre = held
+        for j in cutlass.range_constexpr(together):
+            slot = base + j
+            dots[j] = Float32(0.0)
+            for i in cutlass.range_constexpr(2):
+                if at[3, slot] == i:
+                    side = sides[i]
+                    for v in cutlass.range_constexpr(self.vectors_per_lane):
+                        if lane + 32 * v < self.vectors:
+                            grad[None, v, j].store(ring[None, lane, v, 0, slot, warp].load())
+                            pre[None, v, j].store(ring[None, lane, v, 1, slot, warp].load())
+                            g = grad[None, v, j].load().to(Float32)
+                            normed = ring[None, lane, v, 2, slot, warp].load().to(Float32)
+                            side.sums[None, v].store(side.sums[None, v].load() + g * normed)
+                            dots[j] = dots[j] + (g * side.scale[None, v].load() * pre[None, v, j].load().to(
+                                Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        for level in cutlass.range_constexpr(5):
+            for j in cutlass.range_constexpr(together):
+                dots[j] = dots[j] + cute.arch.shuffle_sync_bfly(dots[j], 1 << level)
+        staging = cute.make_rmem_tensor((VECTOR,), BFloat16)
+        for j in cutlass.range_constexpr(together):
+            slot = base + j
+            for i in cutlass.range_constexpr(2):
+                if at[3, slot] == i:
+                    side = sides[i]
+                    s = rstd[slot]
+                    coefficient = s * s * s * dots[j] * (1.0 / self.head_dim)
+                    coord = (at[0, slot], at[1, slot], at[2, slot])
+                    for v in cutlass.range_constexpr(self.vectors_per_lane):
+                        if lane + 32 * v < self.vectors:
+                            gn = grad[None, v, j].load().to(Float32) * side.scale[None, v].load()
+                            staging.store((gn * s - pre[None, v, j].load().to(Float32) * coefficient).to(BFloat16))
+                            cute.copy(atom, staging, vector(side.out[coord, None], lane + 32 * v))
+                    if cutlass.const_expr(after_row is not None):
+                        after_row(slot, i, coord)
 
     @cute.jit
     def issue(self, fill, sides, locate, total, r, ring, rstd, at, slot: int, lane, warp):
