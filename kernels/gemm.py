@@ -237,14 +237,13 @@ def grid_barrier(arrivals, thread):
     cute.arch.fence_proxy("async.global")
 
 
-def launch_schedule(prologue, threads: int, a_smem, spec: str, dp_tiles, sk_per, ctas, grid, cluster_size: int,
-                    beside: bool = False):
+def launch_schedule(prologue, threads: int, a_smem, spec: str, dp_tiles, sk_per, ctas, grid, cluster_size: int):
     """(the kernel's schedule, the launch's CTAs): the stream-K schedule on `ctas` CTAs, or
-    with a prologue (or a beside warpgroup) the `grid` it runs on, the schedule's cluster count
-    carried along (`work`), after checking a prologue's scratch fits in the A stages."""
-    if prologue is None and not beside:
+    with a prologue the `grid` it runs on, the schedule's cluster count carried along (`work`),
+    after checking the prologue's scratch fits in the A stages."""
+    if prologue is None:
         return (dp_tiles, sk_per), ctas
-    if prologue is not None and prologue.scratch_bytes(threads) > cute.cosize(a_smem) * 2:
+    if prologue.scratch_bytes(threads) > cute.cosize(a_smem) * 2:
         raise ValueError(f"tiling {spec}: the prologue needs more shared memory than the A stages hold")
     return (dp_tiles, sk_per, ctas // cluster_size), grid
 

@@ -49,21 +49,18 @@ from ..layouts.gemm import SHORT_K_INPUT_STAGES, SM90_SMEM_BYTES, WARPGROUP_THRE
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        quad_sum, read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
-                   launch_schedule, load_k_tile, owner, publish_partial, run_prologue, stacked_index, store_partial,
-                   store_piece, unit, batch_last, batch_tile, work)
+                   launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
+                   unit, batch_last, batch_tile, work)
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
-REGISTERS = 64 * 1024  # a CTA's, one CTA per SM
-BESIDE_BARRIER = 6  # the producer's TMA warp and a `beside` warpgroup (named barriers 1-4: the consumers)
 
 
 class Sm90Gemm:
     k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None, batch_sum: int = 1,
-                 beside=None):
+                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None, batch_sum: int = 1):
         """pdl: launched with programmatic dependent launch, for products that follow another
         kernel of the same host function: the CTAs start as the previous kernel's CTAs retire
         and wait (griddepcontrol) for it to finish before touching global memory.
@@ -73,17 +70,10 @@ class Sm90Gemm:
         prologue: work every thread of every CTA does before the main loop, ending at a grid
         barrier, so the main loop may read what it wrote (gemm.run_prologue; its shared memory
         is the A stages', at least `prologue.scratch_bytes(threads)` of it; `prologue.run(args,
-        scratch, capacity, thread, threads)` is told their whole size).
-        beside: work for one more warpgroup that runs beside the main loop, making (part of) A in
-        global memory as the MMAs go: `beside.run(args, scratch, thread)` with shared memory of
-        its own (`beside.scratch_bytes()`, taken from the stages); the producer calls
-        `beside.await_k_tile(args, term, m, k, state)` before it loads A's k-tile k of tile row m
-        (term: which product of a sum; state: `beside.producer_state()`, its own); after the producer's last load, `beside.finish(args, thread)`
-        (e.g. resetting the flags it waited on). The grid is co-resident (cooperative), as for a
-        prologue."""
+        scratch, capacity, thread, threads)` is told their whole size)."""
         tiling.check_sm90()
         self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
-        self.prologue, self.beside = prologue, beside
+        self.prologue = prologue
         self.batch_sum = batch_sum  # a batch of sums over this many of A's and B's products (gemm.compile_gemm)
         self.a_layout = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
@@ -92,20 +82,13 @@ class Sm90Gemm:
         self.tile_mnk = (tiling.tile_m, tiling.tile_n, tiling.tile_k)
         self.consumers = tiling.mma_warpgroups
         self.tile_warpgroups = tiling.tile_warpgroups
-        self.threads = WARPGROUP * (1 + self.consumers + (beside is not None))
-        # With a `beside` warpgroup the consumers get what the producer and it leave (it keeps
-        # the launch's share: 128 registers at 512 threads)
-        beside_regs = REGISTERS // self.threads // 8 * 8
-        self.consumer_registers = CONSUMER_REGISTERS if beside is None else min(
-            CONSUMER_REGISTERS, (REGISTERS - WARPGROUP * (PRODUCER_REGISTERS + beside_regs))
-            // (WARPGROUP * self.consumers) // 8 * 8)
+        self.threads = WARPGROUP * (1 + self.consumers)
         self.teams = 2 if tiling.pingpong else 1
         inputs, outputs = len(epilogue.inputs), len(epilogue.outputs)
         # a fused epilogue's slots: max(inputs, outputs) pieces each (see staging_buffers)
         self.slot_pieces = max(inputs, outputs)
         self.c_buffers = tiling.staging_buffers(inputs, outputs)
-        self.beside_bytes = 0 if beside is None else -(-beside.scratch_bytes() // 1024) * 1024
-        self.stages = tiling.mainloop_stages(SM90_SMEM_BYTES - self.beside_bytes, c_dtype.width // 8, inputs, outputs)
+        self.stages = tiling.mainloop_stages(SM90_SMEM_BYTES, c_dtype.width // 8, inputs, outputs)
         if self.stages < 2:
             raise ValueError(f"tiling {tiling.spec}: the {epilogue.name!r} epilogue leaves shared memory for "
                              f"{self.stages} main-loop stages (2 needed)")
@@ -125,12 +108,11 @@ class Sm90Gemm:
         self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, in2, out1), stream)
 
     def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
-                side_args=None, prologue_args=None, arrivals=None, grid=None, beside_args=None):
+                side_args=None, prologue_args=None, arrivals=None, grid=None):
         """The launch for one product, for a group of products sharing B (one A and one C each:
         Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm).
         With a prologue: its arguments, the grid barrier's `arrivals` and the `grid` (CTAs, a
-        whole number of clusters that the device holds at once, at least `ctas`); with a beside
-        warpgroup, its arguments and the `grid` likewise."""
+        whole number of clusters that the device holds at once, at least `ctas`)."""
         t = self.tiling
         in0, in1, in2, out1 = extras
         # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
@@ -184,12 +166,11 @@ class Sm90Gemm:
 
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule, ctas = launch_schedule(self.prologue, self.threads, a_smem, t.spec, dp_tiles, sk_per, ctas, grid,
-                                         self.cluster_size, self.beside is not None)
-        co_resident = self.prologue is not None or self.beside is not None  # they wait on other CTAs
+                                         self.cluster_size)
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused, grouped, side, side_args, prologue_args, arrivals, beside_args).launch(
+                    schedule, fused, grouped, side, side_args, prologue_args, arrivals).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1,
-            stream=stream, use_pdl=self.pdl, cooperative=co_resident)
+            stream=stream, use_pdl=self.pdl, cooperative=self.prologue is not None)  # co-resident: a grid barrier
 
     def _storage(self, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
@@ -200,8 +181,6 @@ class Sm90Gemm:
             "sB": cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_smem)], 1024],
             "sC": cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024],
         }
-        if self.beside is not None:
-            fields["beside"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int8, self.beside_bytes], 1024]
         if self.epilogue.inputs:
             fields["in_full"] = cute.struct.MemRange[cutlass.Int64, self.teams * self.tiling.epilogue_input_stages]
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
@@ -210,7 +189,7 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused, grouped, side, side_args, prologue_args, arrivals, beside_args):
+               flags: cute.Tensor, schedule, fused, grouped, side, side_args, prologue_args, arrivals):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -233,8 +212,6 @@ class Sm90Gemm:
                 cute.arch.griddepcontrol_wait()
             run_prologue(self.prologue, prologue_args, arrivals, storage.sA.data_ptr(), cute.cosize(a_smem) * 2,
                          tidx, self.threads)
-        if cutlass.const_expr(self.beside is not None and self.pdl):
-            cute.arch.griddepcontrol_wait()  # its flags are reset by the previous call's finish
         stage_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
         # One producer thread arms each stage; every consumer warp that reads it releases it, in
@@ -300,7 +277,7 @@ class Sm90Gemm:
             tiles_m = tiles_m + cute.ceil_div(cute.size(g_c_i, mode=[2]), t.cluster_m)
         batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
-        if cutlass.const_expr(self.pdl and self.prologue is None and self.beside is None):
+        if cutlass.const_expr(self.pdl and self.prologue is None):
             cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
 
         if warpgroup == 0:
@@ -308,17 +285,12 @@ class Sm90Gemm:
             if warp == 0:
                 units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                if cutlass.const_expr(self.beside is not None):
-                    beside_state = self.beside.producer_state()
                 for u in cutlass.range(units):
                     tile, k_begin, k_end = unit(u, plan)
                     l, within = batch_tile(tile, tiles_m * tiles_n, self.batched)
                     product, m, n = group_tile(self.tiling, within, tiles_m, tiles_n, cluster_coord[0],
                                                cluster_coord[1], starts)
                     for k in cutlass.range(k_begin, k_end):
-                        if cutlass.const_expr(self.beside is not None):
-                            term, kk = stacked_index(k, k_starts)
-                            self.beside.await_k_tile(beside_args, term, m, kk, beside_state)
                         ring.producer_acquire(state)
                         barrier = ring.producer_get_barrier(state)
                         a_mask = a_peers if cutlass.const_expr(t.cluster_n > 1) else 0
@@ -329,22 +301,14 @@ class Sm90Gemm:
                         ring.producer_commit(state)
                         state.advance()
                 ring.producer_tail(state)
-                if cutlass.const_expr(self.beside is not None):
-                    pipeline.NamedBarrier(barrier_id=BESIDE_BARRIER, num_threads=5 * 32).arrive()
             else:
                 if cutlass.const_expr(self.side_job is not None):
                     self.side_job.run(side_args, warp - 1, 3)
-        elif warpgroup <= self.consumers:
-            cute.arch.setmaxregister_increase(self.consumer_registers)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,
                           tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io, side,
                           batches)
-        else:
-            if cutlass.const_expr(self.beside is not None):  # the last warpgroup
-                beside_thread = tidx - WARPGROUP * (1 + self.consumers)
-                self.beside.run(beside_args, storage.beside.data_ptr(), beside_thread)
-                pipeline.NamedBarrier(barrier_id=BESIDE_BARRIER, num_threads=5 * 32).arrive_and_wait()
-                self.beside.finish(beside_args, beside_thread)
 
     def _epilogue_io(self, storage, fused):
         """A fused epilogue's slot tensors in the kernel: ([(TMA atom, global tiles) of each

@@ -92,18 +92,6 @@ def on_side(r, rows_q, total, sides, body):
             body(sides[1], r - rows_q)
 
 
-@cute.jit
-def locate(r, rows_q, total, sides, by_seq):
-    """(side, (s, head, b)) of flat row r: q's row r, or k's row r - rows_q."""
-    side, s, head, b = Int32(1), Int32(0), Int32(0), Int32(0)
-    if r < rows_q:
-        side = Int32(0)
-        s, head, b = sides[0].coord(r, by_seq)
-    else:
-        s, head, b = sides[1].coord(r - rows_q, by_seq)
-    return side, (s, head, b)
-
-
 class QkNormBackward:
     """dq, dk and the per-CTA partials of both norm-weight gradients (the caller adds them:
     051's summed product does it in its idle warps, column_sum.ColumnSumsInWarps).
@@ -125,14 +113,11 @@ class QkNormBackward:
         partial rows."""
         return 4 * self.head_dim * (threads // 32)
 
-    def slot_bytes(self) -> int:
-        """One warp's ring slot: a row of grad, pre-norm and normed (bf16)."""
-        return 2 * VECTOR * 32 * self.vectors_per_lane * 3
-
     def ring_slots(self, threads: int, capacity: int) -> int:
-        """Rows a warp stages in `capacity` bytes of scratch; under 2 the ring would not overlap
-        anything and the rows stay in registers."""
-        return min(RING_SLOTS, capacity // (self.slot_bytes() * (threads // 32)))
+        """Rows a warp stages in `capacity` bytes of scratch (grad, pre-norm and normed, bf16);
+        under 2 the ring would not overlap anything and the rows stay in registers."""
+        slot = 2 * VECTOR * 32 * self.vectors_per_lane * 3 * (threads // 32)
+        return min(RING_SLOTS, capacity // slot)
 
     def arguments(self, grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k, normed_k, weight_k,
                   dk, cta_rows):
@@ -148,42 +133,41 @@ class QkNormBackward:
         """This CTA's share of the rows, then its partial row. scratch: `capacity` bytes of
         shared memory (at least `scratch_bytes(threads)`), free for the call."""
         q, k, m_part = args
+        g_q, x_q, r_q, n_q, w_q, o_q = q
+        g_k, x_k, r_k, n_k, w_k, o_k = k
         warps = threads // 32
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tidx % 32, tidx // 32
-        atom = self.atom()
-        sides, rows_q, rows_k, by_seq = self.sides(q, k, atom, lane)
+        vpl = self.vectors_per_lane
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * 8)
+        scale_q = self.one_plus(atom, w_q, lane)
+        scale_k = self.one_plus(atom, w_k, lane)
+        sums_q = cute.make_rmem_tensor((VECTOR, vpl), Float32)
+        sums_k = cute.make_rmem_tensor((VECTOR, vpl), Float32)
+        sums_q.fill(0.0)
+        sums_k.fill(0.0)
+        rows_q, rows_k = cute.size(g_q, mode=[0]), cute.size(g_k, mode=[0])
+        heads = cute.size(g_q.shape[0][1])
+        by_seq = cute.fast_divmod_create_divisor_v2(g_q.shape[0][0])
+        # the rows' tensors and coordinates, q then k: row r of q is (q, r), of k (k, r - rows_q)
+        sides = (Side(g_q, x_q, r_q, n_q, o_q, scale_q, sums_q, heads),
+                 Side(g_k, x_k, r_k, n_k, o_k, scale_k, sums_k, 1))
         first, stride = bidx * warps + warp, ctas * warps
         ring_slots = self.ring_slots(threads, capacity)
         if cutlass.const_expr(ring_slots >= 2):
-            self.rows_staged(atom, sides, lambda r: locate(r, rows_q, rows_q + rows_k, sides, by_seq),
-                             rows_q + rows_k, scratch, first, stride, lane, warp, warps, ring_slots)
+            self.rows_staged(atom, sides, rows_q, rows_k, by_seq, scratch, first, stride, lane, warp, warps,
+                             ring_slots)
             cute.arch.barrier()  # the partial rows below reuse the other warps' rings
         else:
             self.rows_in_registers(atom, sides, rows_q, rows_k, by_seq, first, stride, lane)
         across = cute.make_tensor(cute.recast_ptr(scratch, dtype=Float32), cute.make_layout((self.head_dim, warps)))
-        self.partial_rows(sides, across, m_part[bidx, None], lane, warp, tidx, threads, cute.arch.barrier)
-
-    @staticmethod
-    def atom():
-        """16-byte loads and stores of bf16 vectors through registers."""
-        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * 8)
-
-    @cute.jit
-    def sides(self, q, k, atom, lane):
-        """(q's Side, k's Side), the q and k row counts and the FastDivmod divisor by seq."""
-        g_q, x_q, r_q, n_q, w_q, o_q = q
-        g_k, x_k, r_k, n_k, w_k, o_k = k
-        sums_q = cute.make_rmem_tensor((VECTOR, self.vectors_per_lane), Float32)
-        sums_k = cute.make_rmem_tensor((VECTOR, self.vectors_per_lane), Float32)
-        sums_q.fill(0.0)
-        sums_k.fill(0.0)
-        heads = cute.size(g_q.shape[0][1])
-        sides = (Side(g_q, x_q, r_q, n_q, o_q, self.one_plus(atom, w_q, lane), sums_q, heads),
-                 Side(g_k, x_k, r_k, n_k, o_k, self.one_plus(atom, w_k, lane), sums_k, 1))
-        return (sides, cute.size(g_q, mode=[0]), cute.size(g_k, mode=[0]),
-                cute.fast_divmod_create_divisor_v2(g_q.shape[0][0]))
+        d = self.head_dim
+        row = m_part[bidx, None]
+        self.partial_row(sums_q, across, cute.make_tensor(row.iterator, cute.make_layout((d,))), lane, warp, tidx,
+                         threads)
+        self.partial_row(sums_k, across, cute.make_tensor(row.iterator + d, cute.make_layout((d,))), lane, warp,
+                         tidx, threads)
 
     @cute.jit
     def rows_in_registers(self, atom, sides, rows_q, rows_k, by_seq, first, stride, lane):
@@ -204,130 +188,45 @@ class QkNormBackward:
                     atom, side.out, side.scale, side.sums, (at[0, i], at[1, i], at[2, i]), lane, *slots, i))
 
     @cute.jit
-    def rows_staged(self, atom, sides, locate, total, scratch, first, stride, lane, warp, warps: int,
-                    ring_slots: int, after_row=None, after_turn=None):
-        """This warp's rows r = first + n * stride (r < total; `locate(r)` -> (side, (s, head,
-        b)), side 0 for q, 1 for k) through a ring of `ring_slots` rows in shared memory: row
-        n + ring_slots - 1's loads go out (cp.async, 16 bytes a lane) before row n is finished,
-        so a warp keeps loads in flight while it computes, without registers for them. Each
-        lane reads back only the vectors it copied itself, so the wait is the lane's own
-        (cp.async groups) and no warp barrier is needed. `after_row(slot, side, coord)`: run by
-        the whole warp once a row's dq/dk are stored; `after_turn()` once per turn of the ring
-        (after `ring_slots` rows)."""
+    def rows_staged(self, atom, sides, rows_q, rows_k, by_seq, scratch, first, stride, lane, warp, warps: int,
+                    ring_slots: int):
+        """This warp's rows r = first + n * stride through a ring of `ring_slots` rows in shared
+        memory: row n + ring_slots - 1's loads go out (cp.async, 16 bytes a lane) before row n is
+        finished, so a warp keeps loads in flight while it computes, without registers for
+        them. Each lane reads back only the vectors it copied itself, so the wait is the
+        lane's own (cp.async groups) and no warp barrier is needed."""
         vpl = self.vectors_per_lane
         ring = cute.make_tensor(cute.recast_ptr(scratch, dtype=BFloat16),
                                 cute.make_layout((VECTOR, 32, vpl, 3, ring_slots, warps)))
         fill = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=16 * 8)
         slots = self.row_slots(1)
         rstd = cute.make_rmem_tensor((ring_slots,), Float32)
-        at = cute.make_rmem_tensor((4, ring_slots), Int32)  # each slot's row: (s, head, b, side)
+        at = cute.make_rmem_tensor((3, ring_slots), Int32)
+        total = rows_q + rows_k
         rows = (total - first + stride - 1) // stride  # this warp's row count (<= 0: none)
         for j in cutlass.range_constexpr(ring_slots - 1):
-            self.issue(fill, sides, locate, total, first + j * stride, ring, rstd, at, j, lane, warp)
+            self.issue(fill, sides, rows_q, total, by_seq, first + j * stride, ring, rstd, at, j, lane, warp)
         for n0 in cutlass.range(0, rows, ring_slots):
             for j in cutlass.range_constexpr(ring_slots):
                 n = n0 + j
                 ahead = (j + ring_slots - 1) % ring_slots
-                self.issue(fill, sides, locate, total, first + (n + ring_slots - 1) * stride, ring, rstd, at, ahead,
-                           lane, warp)
+                self.issue(fill, sides, rows_q, total, by_seq, first + (n + ring_slots - 1) * stride, ring, rstd,
+                           at, ahead, lane, warp)
                 cute.arch.cp_async_wait_group(ring_slots - 1)  # row n's group has landed
-                for i in cutlass.range_constexpr(2):
-                    if at[3, j] == i:
-                        self.finish_staged(atom, sides[i], ring, rstd, at, slots, j, lane, warp)
-                        if cutlass.const_expr(after_row is not None):
-                            after_row(j, i, (at[0, j], at[1, j], at[2, j]))
-            if cutlass.const_expr(after_turn is not None):
-                after_turn()
+                on_side(first + n * stride, rows_q, total, sides, lambda side, row, j=j: self.finish_staged(
+                    atom, side, ring, rstd, at, slots, j, lane, warp))
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def rows_in_turns(self, atom, sides, locate, total, scratch, first, stride, lane, warp, warps: int,
-                      together: int, after_row=None, after_turn=None):
-        """As rows_staged, but `together` rows at a time: the ring's two halves take turns, one
-        filling (cp.async) while the other's rows are finished together, their warp reductions
-        interleaved. For a warp alone on its scheduler (the GEMM's `beside` warpgroup), where one
-        row's dependent chain (shared-memory loads, the butterfly) leaves it idle."""
-        vpl = self.vectors_per_lane
-        ring = cute.make_tensor(cute.recast_ptr(scratch, dtype=BFloat16),
-                                cute.make_layout((VECTOR, 32, vpl, 3, 2 * together, warps)))
-        fill = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=16 * 8)
-        rstd = cute.make_rmem_tensor((2 * together,), Float32)
-        at = cute.make_rmem_tensor((4, 2 * together), Int32)  # each slot's row: (s, head, b, side)
-        held = (cute.make_rmem_tensor((VECTOR, vpl, together), BFloat16),
-                cute.make_rmem_tensor((VECTOR, vpl, together), BFloat16))  # grad and pre-norm of a turn
-        dots = cute.make_rmem_tensor((together,), Float32)
-        rows = (total - first + stride - 1) // stride  # this warp's row count (<= 0: none)
-        turns = (rows + together - 1) // together
-        for j in cutlass.range_constexpr(together):
-            self.issue(fill, sides, locate, total, first + j * stride, ring, rstd, at, j, lane, warp)
-        for t0 in cutlass.range(0, turns, 2):
-            for h in cutlass.range_constexpr(2):
-                ahead = (t0 + h + 1) * together
-                for j in cutlass.range_constexpr(together):
-                    self.issue(fill, sides, locate, total, first + (ahead + j) * stride, ring, rstd, at,
-                               (1 - h) * together + j, lane, warp)
-                cute.arch.cp_async_wait_group(together)  # this turn's rows have landed
-                self.finish_turn(atom, sides, ring, rstd, at, held, dots, h * together, together, lane, warp,
-                                 after_row)
-                if cutlass.const_expr(after_turn is not None):
-                    after_turn()
-        cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def finish_turn(self, atom, sides, ring, rstd, at, held, dots, base: int, together: int, lane, warp, after_row):
-        """`finish` for ring slots base .. base + together - 1 at once: every row's dot product,
-        then their butterflies interleaved, then every row's output."""
-        grad, pre = held
-        for j in cutlass.range_constexpr(together):
-            slot = base + j
-            dots[j] = Float32(0.0)
-            for i in cutlass.range_constexpr(2):
-                if at[3, slot] == i:
-                    side = sides[i]
-                    for v in cutlass.range_constexpr(self.vectors_per_lane):
-                        if lane + 32 * v < self.vectors:
-                            grad[None, v, j].store(ring[None, lane, v, 0, slot, warp].load())
-                            pre[None, v, j].store(ring[None, lane, v, 1, slot, warp].load())
-                            g = grad[None, v, j].load().to(Float32)
-                            normed = ring[None, lane, v, 2, slot, warp].load().to(Float32)
-                            side.sums[None, v].store(side.sums[None, v].load() + g * normed)
-                            dots[j] = dots[j] + (g * side.scale[None, v].load() * pre[None, v, j].load().to(
-                                Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        for level in cutlass.range_constexpr(5):
-            for j in cutlass.range_constexpr(together):
-                dots[j] = dots[j] + cute.arch.shuffle_sync_bfly(dots[j], 1 << level)
-        staging = cute.make_rmem_tensor((VECTOR,), BFloat16)
-        for j in cutlass.range_constexpr(together):
-            slot = base + j
-            for i in cutlass.range_constexpr(2):
-                if at[3, slot] == i:
-                    side = sides[i]
-                    s = rstd[slot]
-                    coefficient = s * s * s * dots[j] * (1.0 / self.head_dim)
-                    coord = (at[0, slot], at[1, slot], at[2, slot])
-                    for v in cutlass.range_constexpr(self.vectors_per_lane):
-                        if lane + 32 * v < self.vectors:
-                            gn = grad[None, v, j].load().to(Float32) * side.scale[None, v].load()
-                            staging.store((gn * s - pre[None, v, j].load().to(Float32) * coefficient).to(BFloat16))
-                            cute.copy(atom, staging, vector(side.out[coord, None], lane + 32 * v))
-                    if cutlass.const_expr(after_row is not None):
-                        after_row(slot, i, coord)
-
-    @cute.jit
-    def issue(self, fill, sides, locate, total, r, ring, rstd, at, slot: int, lane, warp):
+    def issue(self, fill, sides, rows_q, total, by_seq, r, ring, rstd, at, slot: int, lane, warp):
         """Row r's loads into ring slot `slot` (none past the last row), as one cp.async group."""
-        at[3, slot] = 2  # no row
-        if r < total:
-            side, coord = locate(r)
-            at[0, slot], at[1, slot], at[2, slot] = coord
-            at[3, slot] = side
-            for i in cutlass.range_constexpr(2):
-                if side == i:
-                    self.fill_slot(fill, sides[i], coord, ring, rstd, slot, lane, warp)
+        on_side(r, rows_q, total, sides, lambda side, row: self.fill_slot(fill, side, row, by_seq, ring, rstd, at,
+                                                                           slot, lane, warp))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def fill_slot(self, fill, side, coord, ring, rstd, slot: int, lane, warp):
+    def fill_slot(self, fill, side, row, by_seq, ring, rstd, at, slot: int, lane, warp):
+        coord = self.hold(at, slot, side.coord(row, by_seq))
         rstd[slot] = side.rstd[coord, 0]
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             v = lane + 32 * j
@@ -404,27 +303,17 @@ class QkNormBackward:
                 cute.copy(atom, staging, vector(m_out[r, None], v))
 
     @cute.jit
-    def partial_rows(self, sides, across, row, lane, warp, tidx, threads: int, sync):
-        """The CTA's partial row (q's then k's): its `threads` threads' warps' sums added in warp
-        order, `sync` their barrier."""
-        d = self.head_dim
-        self.partial_row(sides[0].sums, across, cute.make_tensor(row.iterator, cute.make_layout((d,))), lane, warp, tidx,
-                         threads, sync)
-        self.partial_row(sides[1].sums, across, cute.make_tensor(row.iterator + d, cute.make_layout((d,))), lane, warp,
-                         tidx, threads, sync)
-
-    @cute.jit
-    def partial_row(self, sums, across, m_partial_row, lane, warp, tidx, threads: int, sync):
-        """One partial row: the warps' sums added in warp order."""
+    def partial_row(self, sums, across, m_partial_row, lane, warp, tidx, threads: int):
+        """The CTA's partial row: its warps' sums added in warp order."""
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             v = lane + 32 * j
             if v < self.vectors:
                 for e in cutlass.range_constexpr(VECTOR):
                     across[v * VECTOR + e, warp] = sums[e, j]
-        sync()
+        cute.arch.barrier()
         for c in cutlass.range(tidx, self.head_dim, threads):
             total = Float32(0.0)
             for w in cutlass.range_constexpr(threads // 32):
                 total += across[c, w]
             m_partial_row[c] = total
-        sync()  # `across` is reused for the next partial row
+        cute.arch.barrier()  # `across` is reused for the next partial row

@@ -29,21 +29,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from ..layouts.gemm import WARPGROUP_THREADS, GemmTiling, default_tiling
+from ..layouts.gemm import GemmTiling, default_tiling
 from . import runtime
 from .epilogue import STORE
 from .gemm import _ARCH_MODULES, NO_EPILOGUE_TENSORS, _Call, _device_arch
 from .gemm_grouped import stacked_k, stacked_rows
 from .column_sum import ColumnSumsInWarps
-from .qk_norm_beside import QkNormBeside, flag_words
 from .qk_norm_rows import MAX_HEAD_DIM, VECTOR, QkNormBackward
-
-BESIDE_ARCHS = ("sm_90a",)  # the GEMM core's `beside` warpgroup: Hopper's only, so far
-BESIDE_ACCUMULATORS = 80  # fp32 accumulators a consumer thread holds without spilling at 168 registers
 
 
 def rows(t, count, width, stride, first: int = 0):
@@ -68,20 +63,13 @@ class QkvQkNormBackward:
         self.norm = QkNormBackward(head_dim)
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
         # Both launches under programmatic dependent launch: a product's CTAs start (barriers,
-        # descriptors) as the previous kernel's retire. (Session 15, one process, mean a call
-        # over the 16 workloads: 50.6 us without, 48.6 with.)
-        self.beside = None
-        if arch in BESIDE_ARCHS:
-            # the norm rows in a warpgroup of their own beside the MMAs (qk_norm_beside), which
-            # also adds the norm-weight gradients' partial rows
-            self.beside = QkNormBeside(head_dim, q_heads, summed.tile_m, summed.tile_k, -(-hidden // summed.tile_n))
-            self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=True, beside=self.beside)
-        else:
-            # the norm rows as every CTA's prologue, before a grid barrier; the column sums in the
-            # producer's idle warps during the main loop (session 15: 48.6 -> 44.6 us)
-            sums = ColumnSumsInWarps(2 * head_dim, head_dim)
-            self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=True, side_job=sums,
-                                           prologue=self.norm)
+        # descriptors) as the previous kernel's retire. The norm-weight gradients' column sums
+        # run in the summed product's idle warps instead of a launch of their own. (Session 15,
+        # one process, mean a call over the 16 workloads: 50.6 us with neither, 48.6 with PDL,
+        # 44.6 with both.)
+        sums = ColumnSumsInWarps(2 * head_dim, head_dim)
+        self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=True, side_job=sums,
+                                       prologue=self.norm)
         self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=True)
 
     @cute.jit
@@ -109,18 +97,11 @@ class QkvQkNormBackward:
         rows_k = rows(dqk, tokens, d, row, first=q_cols)
         rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
         x = rows(hidden, tokens, width, width)
-        grad_x = [rows(grad_hidden, tokens, width, width)]
-        if cutlass.const_expr(self.beside is not None):
-            # K runs v, q, k: the first k-tiles need no norm rows
-            self.summed._launch([rows_v, rows_q, rows_k], [transposed(w_v), transposed(w_q), transposed(w_k)],
-                                grad_x, sum_partials, sum_flags, sum_ctas, sum_dp_tiles, sum_per,
-                                NO_EPILOGUE_TENSORS, stream, grid=grid,
-                                beside_args=self.beside.arguments(prologue, arrivals, grad_weight_q, grad_weight_k))
-        else:
-            self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
-                                grad_x, sum_partials, sum_flags, sum_ctas, sum_dp_tiles, sum_per,
-                                NO_EPILOGUE_TENSORS, stream, side_args=(partial_rows, grad_weight_q, grad_weight_k),
-                                prologue_args=prologue, arrivals=arrivals, grid=grid)
+        self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
+                            [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas,
+                            sum_dp_tiles, sum_per, NO_EPILOGUE_TENSORS, stream,
+                            side_args=(partial_rows, grad_weight_q, grad_weight_k), prologue_args=prologue,
+                            arrivals=arrivals, grid=grid)
         self.grouped._launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
                              [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
                              group_per, NO_EPILOGUE_TENSORS, stream)
@@ -166,8 +147,7 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
     return (*side(q_heads), *side(1), grad_value, activations(),
             matrix(q_heads * d), matrix(d), matrix(d), activations(), matrix(q_heads * d), matrix(d), matrix(d),
             grad_weight(), grad_weight(), runtime.fake_tensor(BFloat16, (cute.sym_int32(),), (1,), 16),
-            flat(Float32, 2 * d), *schedule(summed), *schedule(grouped),
-            runtime.fake_tensor(Int32, (cute.sym_int32(),), (1,), 4),
+            flat(Float32, 2 * d), *schedule(summed), *schedule(grouped), runtime.fake_tensor(Int32, (2,), (1,), 4),
             Int32(1), runtime.env_stream())
 
 
@@ -182,20 +162,13 @@ def _build(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped
 
 def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
     """grad_hidden's tiling: the GEMM core's rules, but for one band measured better."""
-    if arch == "sm_90a" and 3072 <= tokens and hidden % 160 == 0:
+    if arch == "sm_90a" and 3072 <= tokens < 6144 and hidden % 160 == 0:
         # Swept on the H200 (session 14, graph replay, Gemma-3-270m dims): at T = 4096 the
         # rules' 128x128c2x1p took 18.7 us and 128 x 160 tiles in 2 x 1 clusters 14.0 (four
         # column tiles of N = 640: 32 x 4 = 128 tiles, one wave); at T = 2048 and 8192 the
-        # rules' picks were within 2% of the best. From T = 6144 the rules' 256 x 160 tiles
-        # leave no registers for the norm rows' warpgroup beside the MMAs.
+        # rules' picks were within 2% of the best.
         return GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
-    tiling = default_tiling(tokens, hidden, width, arch)
-    if arch in BESIDE_ARCHS and tiling.mma_warpgroups == 2 and \
-            tiling.tile_m * tiling.tile_n // (WARPGROUP_THREADS * tiling.tile_warpgroups) > BESIDE_ACCUMULATORS:
-        # two consumer warpgroups beside the rows' warpgroup get 168 registers a thread: a
-        # whole 128-row tile each (pingpong) or 256-row tiles spill
-        return dataclasses.replace(tiling, tile_m=128, tile_n=min(tiling.tile_n, 128), pingpong=False)
-    return tiling
+    return default_tiling(tokens, hidden, width, arch)
 
 
 def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
@@ -251,7 +224,7 @@ class _Entry:
         self.max_ctas = torch.cuda.get_device_properties(device).multi_processor_count  # the widest grid
         # per stream, one lookup a call: the norm grid's partial rows, the grid barrier's
         # counters and the dq/dk buffer
-        self.scratch = _Scratch(self.max_ctas, head_dim, q_heads + 1, device)
+        self.scratch = _Scratch(self.max_ctas, 2 * head_dim, device)
         self._clusters = {}  # cluster size -> clusters the device holds at once (the query synchronizes)
 
     def max_clusters(self, size: int) -> int:
@@ -261,21 +234,15 @@ class _Entry:
 
 
 class _Scratch(runtime.StreamWorkspace):
-    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), their counters (int32, zero
-    between calls: the grid barrier's two, or qk_norm_beside's two and flags) and the dq/dk
-    buffer (bf16, grown to the longest call). The three are made again together when it grows;
-    dropping the old ones is safe, as the caching allocator hands their memory out again only
-    after the work already queued on that stream."""
-
-    def __init__(self, ctas: int, head_dim: int, heads: int, device):
-        super().__init__(ctas, 2 * head_dim, device)
-        self.head_dim, self.heads = head_dim, heads  # heads: q's and k's
+    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's counters
+    (int32 [2], zero between calls) and the dq/dk buffer (bf16, grown to the longest call). The
+    three are made again together when it grows; dropping the old ones is safe, as the caching
+    allocator hands their memory out again only after the work already queued on that stream."""
 
     def _new(self, dqk_elements: int):
         import torch
 
-        counters = flag_words(dqk_elements // (self.heads * self.head_dim), self.heads)
-        return (super()._new(), torch.zeros(counters, dtype=torch.int32, device=self.device),
+        return (super()._new(), torch.zeros(2, dtype=torch.int32, device=self.device),
                 torch.empty(dqk_elements, dtype=torch.bfloat16, device=self.device))
 
     def _fits(self, buffer, dqk_elements: int) -> bool:
