@@ -12,8 +12,8 @@ partial row per CTA (q then k). The caller adds the partial rows in a fixed orde
 (`column_sum.ColumnSumsInWarps`): bitwise repeatable norm-weight gradients, no float atomics.
 
 How a warp keeps loads in flight: a ring of RING_SLOTS rows in shared memory filled by cp.async
-where the scratch holds it (d <= 256 in the A stages of 051's tilings), else IN_FLIGHT rows in
-registers. Session 27 on the H200 (graph replay, one process, parity first), the rows alone on
+where the scratch holds at least two slots (every tiling 051 picks up to d = 512), else IN_FLIGHT
+rows in registers (d = 1024 at 384 threads). Session 27 on the H200 (graph replay, one process, parity first), the rows alone on
 one 384-thread CTA an SM at T = 4096 / 8192, and the op at 1x4096 / 1x8192 / 16x541:
 - four rows in registers, q rows head-major (session 15-26): 13.7 / 28.3 us; 49.6 / 88.4 / 94.2;
 - the same with the row coordinate from one FastDivmod: 13.2 / 27.5; 48.1 / 86.5 / 92.5;
