@@ -216,7 +216,7 @@ def work(schedule, tiles, k_tiles, cluster_size):
 @cute.jit
 def grid_barrier(arrivals, thread):
     """Every CTA of the grid waits here for all the others (so the grid must be co-resident: the
-    persistent one, a CTA per SM). arrivals: int32 [2], (count, generation), both zero before
+    persistent one, a CTA per SM). arrivals: int32 [2 or more], (count, generation), both zero before
     the first use; the last CTA to arrive resets the count and bumps the generation, which the
     others watch, so the pair is ready for the next call. Global stores made before it are
     visible after it, to TMA loads too (the proxy fences on both sides)."""
@@ -248,14 +248,65 @@ def launch_schedule(prologue, threads: int, a_smem, spec: str, dp_tiles, sk_per,
     return (dp_tiles, sk_per, ctas // cluster_size), grid
 
 
+# The dependents' gate: words of a prologue's `arrivals` after the grid barrier's two. A product
+# launched after a prologue product (051's weight gradients after its summed product) needs only
+# what the prologue wrote, so it need not wait for the whole first kernel (griddepcontrol.wait):
+# the first kernel lets it launch past its grid barrier and marks READY; the second waits on READY
+# instead, and before it exits for every CTA of the first to have counted itself EXITED (so the
+# stream's next kernel, waiting on the second, finds the first done too).
+READY, EXITED = 2, 3
+GATE_WORDS = 4
+
+
 @cute.jit
-def run_prologue(prologue, args, arrivals, scratch, capacity: int, thread, threads: int):
+def run_prologue(prologue, args, arrivals, scratch, capacity: int, thread, threads: int, opens_gate: bool = False):
     """The GEMM core's prologue: `prologue.run` in every thread of every CTA, with the main
-    loop's A stages as its scratch shared memory (`capacity` bytes), then the grid barrier. The scratch's generic
-    accesses come before the stages' first TMA fill (the async-proxy fence)."""
+    loop's A stages as its scratch shared memory (`capacity` bytes), then the grid barrier. The
+    scratch's generic accesses come before the stages' first TMA fill (the async-proxy fence).
+    `opens_gate`: then READY is set and the dependent kernel may launch."""
+    if cutlass.const_expr(opens_gate):
+        bidx, _, _ = cute.arch.block_idx()
+        if bidx == 0 and thread == 0:
+            # the last call's dependents are done (griddepcontrol.wait came first); this CTA's
+            # barrier arrival orders these stores before any CTA's READY or EXITED below
+            arrivals[READY] = Int32(0)
+            arrivals[EXITED] = Int32(0)
     prologue.run(args, scratch, capacity, thread, threads)
     cute.arch.fence_proxy("async.shared", space="cta")
     grid_barrier(arrivals, thread)
+    if cutlass.const_expr(opens_gate):
+        if thread == 0:
+            cute.arch.store(arrivals.iterator + READY, Int32(1), sem="release", scope="gpu")
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
+def count_exited(arrivals, thread):
+    """A prologue kernel's CTA at its end (every thread, after its global writes): count it out."""
+    cute.arch.barrier()
+    if thread == 0:
+        cute.arch.atomic_add(arrivals.iterator + EXITED, Int32(1), sem="release", scope="gpu")
+
+
+@cute.jit
+def pass_gate(gate, thread):
+    """A gated dependent's start (every thread, before any global access): READY seen."""
+    arrivals, _ = gate
+    if thread == 0:
+        while cute.arch.load(arrivals.iterator + READY, Int32, sem="acquire", scope="gpu") == 0:
+            pass
+    cute.arch.barrier()
+    cute.arch.fence_proxy("async.global")  # TMA loads of what the prologue stored
+
+
+@cute.jit
+def leave_gate(gate, thread):
+    """A gated dependent's end (every thread): every CTA of the first kernel has exited."""
+    arrivals, first_ctas = gate
+    cute.arch.barrier()
+    if thread == 0:
+        while cute.arch.load(arrivals.iterator + EXITED, Int32, sem="acquire", scope="gpu") < first_ctas:
+            pass
 
 
 def unit(u, schedule):

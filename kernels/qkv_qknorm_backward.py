@@ -32,13 +32,15 @@ import importlib
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from ..layouts.gemm import GemmTiling, default_tiling
+from ..layouts.gemm import H200_SMS, GemmTiling, default_tiling
 from . import runtime
 from .epilogue import STORE
-from .gemm import _ARCH_MODULES, NO_EPILOGUE_TENSORS, _Call, _device_arch
+from .gemm import _ARCH_MODULES, GATE_WORDS, NO_EPILOGUE_TENSORS, _Call, _device_arch
 from .gemm_grouped import stacked_k, stacked_rows
 from .column_sum import ColumnSumsInWarps
 from .qk_norm_rows import MAX_HEAD_DIM, VECTOR, QkNormBackward
+
+GATED_ARCHS = ("sm_90a",)  # the GEMM core's gated dependents (gemm.pass_gate): Hopper's, so far
 
 
 def rows(t, count, width, stride, first: int = 0):
@@ -58,8 +60,8 @@ class QkvQkNormBackward:
     then the grouped product (A = dq/dk/dv read M-major, B = hidden_states read N-major)."""
 
     def __init__(self, head_dim: int, q_heads: int, hidden: int, arch: str, summed: GemmTiling,
-                 grouped: GemmTiling):
-        self.head_dim, self.q_heads, self.hidden = head_dim, q_heads, hidden
+                 grouped: GemmTiling, gated: bool = False):
+        self.head_dim, self.q_heads, self.hidden, self.gated = head_dim, q_heads, hidden, gated
         self.norm = QkNormBackward(head_dim)
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
         # Both launches under programmatic dependent launch: a product's CTAs start (barriers,
@@ -67,10 +69,15 @@ class QkvQkNormBackward:
         # run in the summed product's idle warps instead of a launch of their own. (Session 15,
         # one process, mean a call over the 16 workloads: 50.6 us with neither, 48.6 with PDL,
         # 44.6 with both.)
+        # Gated (Hopper, `gated_clusters`): the weight gradients read only the first kernel's
+        # dq/dk, so they start past its norm rows (gemm.pass_gate) on the SMs its schedule leaves
+        # idle, instead of after its last tile.
+        gate = {"opens_gate": True} if gated else {}
         sums = ColumnSumsInWarps(2 * head_dim, head_dim)
         self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=True, side_job=sums,
-                                       prologue=self.norm)
-        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=True)
+                                       prologue=self.norm, **gate)
+        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=True,
+                                         **({"gated": True} if gated else {}))
 
     @cute.jit
     def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
@@ -104,7 +111,8 @@ class QkvQkNormBackward:
                             arrivals=arrivals, grid=grid)
         self.grouped._launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
                              [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
-                             group_per, NO_EPILOGUE_TENSORS, stream)
+                             group_per, NO_EPILOGUE_TENSORS, stream,
+                             **({"gate": (arrivals, grid)} if self.gated else {}))
 
 
 def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling):
@@ -147,17 +155,36 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
     return (*side(q_heads), *side(1), grad_value, activations(),
             matrix(q_heads * d), matrix(d), matrix(d), activations(), matrix(q_heads * d), matrix(d), matrix(d),
             grad_weight(), grad_weight(), runtime.fake_tensor(BFloat16, (cute.sym_int32(),), (1,), 16),
-            flat(Float32, 2 * d), *schedule(summed), *schedule(grouped), runtime.fake_tensor(Int32, (2,), (1,), 4),
-            Int32(1), runtime.env_stream())
+            flat(Float32, 2 * d), *schedule(summed), *schedule(grouped),
+            runtime.fake_tensor(Int32, (GATE_WORDS,), (1,), 4), Int32(1), runtime.env_stream())
 
 
 def _build(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling, arch: str,
-           dump_dir=None):
+           dump_dir=None, gated: bool = False):
     summed, grouped = dataclasses.replace(summed, split_k=False), dataclasses.replace(grouped, split_k=False)
-    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped),
-                                  QkvQkNormBackward(head_dim, q_heads, hidden, arch, summed, grouped),
+    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped, gated),
+                                  QkvQkNormBackward(head_dim, q_heads, hidden, arch, summed, grouped, gated),
                                   *_fake_args(head_dim, q_heads, hidden, summed, grouped),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+
+
+def gated_clusters(arch: str, grouped: GemmTiling, rows: int, hidden: int, idle_ctas: int):
+    """The weight gradients' clusters when they run gated (gemm.pass_gate: from the summed
+    product's grid barrier, on the CTAs its schedule leaves idle), or None to run them after it.
+    Gated only where the idle CTAs take all their tiles in two waves: a product that needs the
+    busy SMs too would start its last tiles after the summed product all the same.
+
+    H200, session 27 (graph replay us, one process): gated on the idle SMs against after the
+    summed product, 1x131 13.67 vs 16.17 and 4x128 15.38 vs 17.43. Gated on every SM instead (its
+    CTAs start wherever a summed CTA retires): 1x131 15.77, 4x128 17.92, 1x2048 28.30 vs 30.06,
+    1x1024 20.50 vs 20.06, 4x256 20.16 vs 19.75, and 1x8192 87.0 vs 83.3 (the early launch and
+    the exit count cost there); so only where the idle SMs suffice (T <= 512 at Gemma's dims)."""
+    if arch not in GATED_ARCHS:
+        return None
+    size = grouped.cluster_m * grouped.cluster_n
+    tiles = -(-rows // (grouped.tile_m * grouped.cluster_m)) * -(-hidden // (grouped.tile_n * grouped.cluster_n))
+    idle = idle_ctas // size
+    return idle if idle > 0 and 2 * idle >= tiles else None
 
 
 def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
@@ -185,14 +212,18 @@ def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTilin
 
 
 def _audit_build(tokens: int):
-    """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`."""
+    """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`, gated as on the
+    H200 (132 SMs)."""
     def build(arch, dump_dir):
-        return _build(256, 4, 640, summed_tiling(tokens, 640, 1536, arch), grouped_tiling(tokens, 640, 1536, arch),
-                      arch, dump_dir)
+        summed, grouped = summed_tiling(tokens, 640, 1536, arch), grouped_tiling(tokens, 640, 1536, arch)
+        busy = min(H200_SMS, -(-tokens // summed.tile_m) * -(-640 // summed.tile_n))
+        gated = gated_clusters(arch, grouped, 1536, 640, H200_SMS - busy) is not None
+        return _build(256, 4, 640, summed, grouped, arch, dump_dir, gated)
     return build
 
 
-AUDIT_BUILDS = {f"qkv_qknorm_backward[T={t}]": _audit_build(t) for t in (1024, 4096, 8192)}
+# T = 131: gated on sm_90a (gated_clusters)
+AUDIT_BUILDS = {f"qkv_qknorm_backward[T={t}]": _audit_build(t) for t in (131, 1024, 4096, 8192)}
 # The norm rows: 16-byte cp.async loads into each warp's ring and 16-byte stores; the
 # products: the GEMM core's own expectations (warpgroup or tcgen05 MMAs fed by TMA, TMA stores). No spills, no
 # float atomics (fixed-order sums).
@@ -234,15 +265,15 @@ class _Entry:
 
 
 class _Scratch(runtime.StreamWorkspace):
-    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's counters
-    (int32 [2], zero between calls) and the dq/dk buffer (bf16, grown to the longest call). The
+    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's counters and
+    gate (int32 [GATE_WORDS], zero before the first call) and the dq/dk buffer (bf16, grown to the longest call). The
     three are made again together when it grows; dropping the old ones is safe, as the caching
     allocator hands their memory out again only after the work already queued on that stream."""
 
     def _new(self, dqk_elements: int):
         import torch
 
-        return (super()._new(), torch.zeros(2, dtype=torch.int32, device=self.device),
+        return (super()._new(), torch.zeros(GATE_WORDS, dtype=torch.int32, device=self.device),
                 torch.empty(dqk_elements, dtype=torch.bfloat16, device=self.device))
 
     def _fits(self, buffer, dqk_elements: int) -> bool:
@@ -264,18 +295,21 @@ class _Plan:
             return
         summed = summed_tiling(tokens, hidden, sum(widths), entry.arch)
         grouped = grouped_tiling(tokens, hidden, sum(widths), entry.arch)
-        self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch))
 
-        def schedule(tiling, m, k):
-            clusters = entry.max_clusters(tiling.cluster_m * tiling.cluster_n)
+        def schedule(tiling, m, k, clusters=None):
+            clusters = clusters or entry.max_clusters(tiling.cluster_m * tiling.cluster_n)
             return _Call(None, clusters, tiling, m, hidden, k, entry.device, None, torch.bfloat16)
 
         self.summed = schedule(summed, tokens, stacked_k(widths, summed))
-        self.grouped = schedule(grouped, stacked_rows(widths, grouped), tokens)
         # the summed product's grid, the norm rows' too: every cluster the device holds at once
         # (all resident: its prologue ends at a grid barrier)
         size = summed.cluster_m * summed.cluster_n
         self.grid = entry.max_clusters(size) * size
+        idle = gated_clusters(entry.arch, grouped, stacked_rows(widths, grouped), hidden,
+                              self.grid - self.summed.ctas)
+        self.grouped = schedule(grouped, stacked_rows(widths, grouped), tokens, idle)
+        self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch,
+                                               gated=idle is not None))
 
 
 _entries: dict = {}  # (head_dim, q heads, device index) -> _Entry
