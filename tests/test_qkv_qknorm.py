@@ -78,6 +78,26 @@ def test_outputs_are_bitwise_repeatable_back_to_back(batch, seq):
 
 
 @pytest.mark.gpu
+def test_grid_barrier_count_wraps():
+    """The grid barrier's count only grows, ARRIVALS_PER_USE a call: started below int32's sign
+    flip and below its wrap to zero, two calls each still match the first call and leave the
+    count where wrapping arithmetic says."""
+    from cutebwd.kernels import qkv_qknorm_backward as M
+    from cutebwd.kernels.gemm import ARRIVALS_PER_USE
+
+    inputs = PROBLEM.make_inputs(2, 131, device="cuda", seed=8)
+    first = [t.clone() for t in kernel(*inputs)]
+    plan = M._plans[inputs[3].shape, 4, 256, inputs[3].get_device()]
+    _, arrivals, _ = plan.entry.scratch.get(plan.dqk_elements)
+    for start, end in ((2**31 - ARRIVALS_PER_USE, -2**31 + ARRIVALS_PER_USE), (-ARRIVALS_PER_USE, ARRIVALS_PER_USE)):
+        arrivals[0] = start
+        for _ in range(2):
+            out = kernel(*inputs)
+            assert all(torch.equal(a, b) for a, b in zip(first, out))
+        assert arrivals[0].item() == end
+
+
+@pytest.mark.gpu
 def test_argument_errors():
     inputs = list(PROBLEM.make_inputs(1, 16, device="cuda", seed=1))
     bad = list(inputs)
