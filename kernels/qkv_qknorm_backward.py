@@ -190,11 +190,11 @@ def gated_clusters(arch: str, grouped: GemmTiling, rows: int, hidden: int, idle_
 def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
     """grad_hidden's tiling: the GEMM core's rules, but for two bands measured better."""
     if arch == "sm_90a" and tokens <= 256:
-        # One warpgroup's MMAs bound a 64 x 128 tile's K loop here (session 28, clock stamps at
-        # 1x131: 3.6 us for its 24 k-tiles, 15 CTAs); 64 x 64 tiles halve it on twice the CTAs,
-        # and the idle ones still take the weight gradients gated (gated_clusters). H200, graph
-        # replay: 1x131 12.72 -> 11.86 us, 2x128 12.55 -> 11.93; at 4x128 (80 CTAs, too few
-        # idle to gate) 14.12 -> 15.73, so not there.
+        # 64 x 64 tiles: twice the CTAs on grad_hidden, and the idle ones still take the
+        # weight gradients gated (gated_clusters). H200 (session 28, graph replay): 1x131
+        # 12.72 -> 11.86 us, 2x128 12.55 -> 11.93; at 4x128 (80 CTAs, too few idle to gate)
+        # 14.12 -> 15.73, so not there. Not a shorter K loop per CTA: clock stamps of one call
+        # put each k-tile at ~150-165 ns with either tile (the gain is not explained yet).
         return GemmTiling(tile_m=64, tile_n=64)
     if arch == "sm_90a" and 3072 <= tokens < 6144 and hidden % 160 == 0:
         # Swept on the H200 (session 14, graph replay, Gemma-3-270m dims): at T = 4096 the
