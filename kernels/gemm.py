@@ -223,12 +223,13 @@ ARRIVALS_PER_USE = 1 << 16
 @cute.jit
 def grid_barrier(arrivals, thread):
     """Every CTA of the grid waits here for all the others (so the grid must be co-resident: the
-    persistent one, a CTA per SM). arrivals: int32 [1 or more], zero (or a multiple of ARRIVALS_PER_USE) before the first use. Each
-    use adds ARRIVALS_PER_USE to arrivals[0] in all (CTA 0 carries what the grid's size leaves),
-    and a CTA waits until the count reaches the next multiple of it past what it found: no reset
-    and no second word, so the last CTA's arrival is the only step on the path (the counter wraps
-    harmlessly: the comparison is of a difference). Global stores made before it are visible
-    after it, to TMA loads too (the proxy fences on both sides)."""
+    persistent one, a CTA per SM). arrivals: int32 [1 or more], zero (or a multiple of
+    ARRIVALS_PER_USE) before the first use. Each use adds ARRIVALS_PER_USE to arrivals[0] in all
+    (CTA 0 carries what the grid's size leaves), and a CTA waits until the count reaches the next
+    multiple of it past what it found: no reset and no second word, so the last CTA's arrival is
+    the only step on the path (the counter wraps harmlessly: the comparison is of a difference).
+    Global stores made before it are visible after it, to TMA loads too (the proxy fences on both
+    sides)."""
     cute.arch.fence_proxy("async.global")
     cute.arch.barrier()
     if thread == 0:
@@ -243,7 +244,6 @@ def grid_barrier(arrivals, thread):
             pass
     cute.arch.barrier()
     cute.arch.fence_proxy("async.global")
-
 
 
 def launch_schedule(prologue, threads: int, a_smem, spec: str, dp_tiles, sk_per, ctas, grid, cluster_size: int):
@@ -555,7 +555,7 @@ class _Call:
         # share after everyone else), at most one cluster per tile unless tiling.split_k; a
         # batch of products lays its tiles end to end.
         size = tiling.cluster_m * tiling.cluster_n
-        tiles = -(-m // (tiling.tile_m * tiling.cluster_m)) * -(-n // (tiling.tile_n * tiling.cluster_n)) * batches
+        tiles = tiling.cluster_tiles(m, n) * batches
         clusters = max(1, max_clusters if tiling.split_k else min(max_clusters, tiles))  # an empty C never launches
         self.run, self.ctas = run, clusters * size
         if stream_k is False:

@@ -181,10 +181,8 @@ def gated_clusters(arch: str, grouped: GemmTiling, rows: int, hidden: int, idle_
     the exit count cost there); so only where the idle SMs suffice (T <= 512 at Gemma's dims)."""
     if arch not in GATED_ARCHS:
         return None
-    size = grouped.cluster_m * grouped.cluster_n
-    tiles = -(-rows // (grouped.tile_m * grouped.cluster_m)) * -(-hidden // (grouped.tile_n * grouped.cluster_n))
-    idle = idle_ctas // size
-    return idle if idle > 0 and 2 * idle >= tiles else None
+    idle = idle_ctas // (grouped.cluster_m * grouped.cluster_n)
+    return idle if idle > 0 and 2 * idle >= grouped.cluster_tiles(rows, hidden) else None
 
 
 def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
@@ -223,7 +221,7 @@ def _audit_build(tokens: int):
     H200 (132 SMs)."""
     def build(arch, dump_dir):
         summed, grouped = summed_tiling(tokens, 640, 1536, arch), grouped_tiling(tokens, 640, 1536, arch)
-        busy = min(H200_SMS, -(-tokens // summed.tile_m) * -(-640 // summed.tile_n))
+        busy = min(H200_SMS, summed.cluster_tiles(tokens, 640) * summed.cluster_m * summed.cluster_n)
         gated = gated_clusters(arch, grouped, 1536, 640, H200_SMS - busy) is not None
         return _build(256, 4, 640, summed, grouped, arch, dump_dir, gated)
     return build
@@ -231,9 +229,9 @@ def _audit_build(tokens: int):
 
 # T = 131: gated on sm_90a (gated_clusters)
 AUDIT_BUILDS = {f"qkv_qknorm_backward[T={t}]": _audit_build(t) for t in (131, 1024, 4096, 8192)}
-# The norm rows: 16-byte cp.async loads into each warp's ring and 16-byte stores; the
-# products: the GEMM core's own expectations (warpgroup or tcgen05 MMAs fed by TMA, TMA stores). No spills, no
-# float atomics (fixed-order sums).
+# The norm rows: 16-byte cp.async loads into each warp's ring and 16-byte stores; the products:
+# the GEMM core's own expectations (warpgroup or tcgen05 MMAs fed by TMA, TMA stores). No
+# spills, no float atomics (fixed-order sums).
 AUDIT_EXPECTS = {"sm_90a": {"require": ["LDGSTS", "STG.128", "HGMMA", "UTMALDG", "UTMASTG"],
                             "forbid": ["LOCAL", "ATOM/RED.FLOAT", "HGMMA.SERIAL"]},
                  "sm_100a": {"require": ["LDGSTS", "STG.128", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM"],
@@ -272,10 +270,11 @@ class _Entry:
 
 
 class _Scratch(runtime.StreamWorkspace):
-    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's counters and
-    gate (int32 [GATE_WORDS], zero before the first call) and the dq/dk buffer (bf16, grown to the longest call). The
-    three are made again together when it grows; dropping the old ones is safe, as the caching
-    allocator hands their memory out again only after the work already queued on that stream."""
+    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's count and the
+    gate (int32 [GATE_WORDS], zero before the first call) and the dq/dk buffer (bf16, grown to the
+    longest call). The three are made again together when it grows; dropping the old ones is
+    safe, as the caching allocator hands their memory out again only after the work already
+    queued on that stream."""
 
     def _new(self, dqk_elements: int):
         import torch

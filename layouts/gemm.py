@@ -136,6 +136,10 @@ class GemmTiling:
         """Consumer warpgroups working on one tile."""
         return 1 if self.pingpong else self.mma_warpgroups
 
+    def cluster_tiles(self, m: int, n: int) -> int:
+        """Cluster tiles (cluster_m x cluster_n CTA tiles) covering an [m, n] C."""
+        return -(-m // (self.tile_m * self.cluster_m)) * -(-n // (self.tile_n * self.cluster_n))
+
     def epilogue_tile(self) -> tuple[int, int]:
         """The piece of C staged through shared memory per TMA store: the rows the tile's
         warpgroups cover in one store (64 each), epilogue_n columns (at most the tile's)."""
