@@ -205,14 +205,17 @@ def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling
 
 def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
     """The weight gradients' tiling: the GEMM core's rules (64 x 128 tiles for these ~1M-element
-    results), but from T = 3072 on sm_90a the same tiles in 2 x 1 clusters (hidden_states, the
-    shared B, multicast to the pair: half its L2 reads). Session 25 on the H200 (graph replay,
-    turn by turn, Gemma-3-270m dims), the product alone at T = 4096 / 8192: 16.2 / 29.6 us
-    against 18.0 / 33.3 for 128 x 64 (session 14's pick at 4096) and 21.0 / 32.6 for 128 x 128
-    tiles in 2 x 1 clusters split-K (its pick at 8192); the whole op at 4096 / 8192 / 541 x 16:
-    49.3 / 85.8 / 90.4 against session 14's picks' 49.4 / 89.6 / 94.3."""
+    results), but from T = 3072 on sm_90a the same tiles in 4 x 1 clusters (hidden_states, the
+    shared B, multicast to four CTAs: a quarter of its L2 reads; cuBLAS's pick for this product,
+    in its transposed terms, is the same tile and cluster). H200, graph replay turn by turn,
+    Gemma-3-270m dims:
+    - session 25, the product alone at T = 4096 / 8192: 2 x 1 clusters 16.2 / 29.6 us against
+      18.0 / 33.3 for 128 x 64 and 21.0 / 32.6 for 128 x 128 in 2 x 1 clusters split-K;
+    - session 29, the product alone: 4 x 1 clusters 15.1 / 31.1 against 16.5 / 30.9 for 2 x 1
+      (cuBLAS 12.9 / 26.3); the whole op at 4096 / 8192 / 541 x 16: 45.18 / 81.74 / 87.71
+      against 46.44 / 82.01 / 88.48."""
     if arch == "sm_90a" and tokens >= 3072:
-        return GemmTiling(tile_m=64, cluster_m=2)
+        return GemmTiling(tile_m=64, cluster_m=4)
     return default_tiling(width, hidden, tokens, arch)
 
 

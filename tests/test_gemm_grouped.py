@@ -36,7 +36,8 @@ def _group(ms, n, k, k_major, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiling", [None, GemmTiling(tile_n=256, cluster_m=2), GemmTiling(pingpong=True, cluster_m=2),
-                                    GemmTiling(tile_m=64, tile_n=128, cluster_m=2)],
+                                    GemmTiling(tile_m=64, tile_n=128, cluster_m=2),
+                                    GemmTiling(tile_m=64, tile_n=128, cluster_m=4)],  # 051's weight gradients
                          ids=lambda t: t.spec if t else "default")
 @pytest.mark.parametrize("ms,n,k,k_major,stream_k", [
     ((296, 136, 520), 776, 200, False, None),  # weight-gradient shape: A = dY^T views (M-major), K = T short
