@@ -193,14 +193,15 @@ class GroupedEntry:
 
 # -- device-side schedule ----------------------------------------------------------------
 
-def work(schedule, tiles, k_tiles, cluster_size):
+def work(schedule, tiles, k_tiles, cluster_size, base=0):
     """This cluster's units of work (layouts.gemm's hybrid stream-K schedule on device
     integers, over cluster tiles): whole tiles cta, cta + ctas, ... below dp_tiles (cta being
     the cluster's index, ctas the cluster count), then its stream-K range, last tile first.
-    -> (unit count, the tuple `unit` and `owner` read)."""
+    base: the grid's first CTA of this product (a launched pair's second; its schedule has a
+    cluster count). -> (unit count, the tuple `unit` and `owner` read)."""
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
-    cta, ctas = cta // cluster_size, ctas // cluster_size
+    cta, ctas = (cta - base) // cluster_size, ctas // cluster_size
     dp_tiles, per = schedule[0], schedule[1]
     if cutlass.const_expr(len(schedule) == 3):
         ctas = schedule[2]  # a grid wider than the schedule (for a prologue): the clusters past it idle
@@ -257,65 +258,18 @@ def launch_schedule(prologue, threads: int, a_smem, spec: str, dp_tiles, sk_per,
     return (dp_tiles, sk_per, ctas // cluster_size), grid
 
 
-# The dependents' gate: words of a prologue's `arrivals` after the grid barrier's one. A product
-# launched after a prologue product (051's weight gradients after its summed product) needs only
-# what the prologue wrote, so it need not wait for the whole first kernel (griddepcontrol.wait):
-# the first kernel lets it launch past its grid barrier and marks READY; the second waits on READY
-# instead, and before it exits for every CTA of the first to have counted itself EXITED (so the
-# stream's next kernel, waiting on the second, finds the first done too).
-READY, EXITED = 1, 2
-GATE_WORDS = 3
+# Words of a prologue's `arrivals`: the grid barrier's count.
+BARRIER_WORDS = 1
 
 
 @cute.jit
-def run_prologue(prologue, args, arrivals, scratch, capacity: int, thread, threads: int, opens_gate: bool = False):
+def run_prologue(prologue, args, arrivals, scratch, capacity: int, thread, threads: int):
     """The GEMM core's prologue: `prologue.run` in every thread of every CTA, with the main
     loop's A stages as its scratch shared memory (`capacity` bytes), then the grid barrier. The
-    scratch's generic accesses come before the stages' first TMA fill (the async-proxy fence).
-    `opens_gate`: then READY is set and the dependent kernel may launch."""
-    if cutlass.const_expr(opens_gate):
-        bidx, _, _ = cute.arch.block_idx()
-        if bidx == 0 and thread == 0:
-            # the last call's dependents are done (griddepcontrol.wait came first); this CTA's
-            # barrier arrival orders these stores before any CTA's READY or EXITED below
-            arrivals[READY] = Int32(0)
-            arrivals[EXITED] = Int32(0)
+    scratch's generic accesses come before the stages' first TMA fill (the async-proxy fence)."""
     prologue.run(args, scratch, capacity, thread, threads)
     cute.arch.fence_proxy("async.shared", space="cta")
     grid_barrier(arrivals, thread)
-    if cutlass.const_expr(opens_gate):
-        if thread == 0:
-            cute.arch.store(arrivals.iterator + READY, Int32(1), sem="release", scope="gpu")
-        cute.arch.griddepcontrol_launch_dependents()
-
-
-@cute.jit
-def count_exited(arrivals, thread):
-    """A prologue kernel's CTA at its end (every thread, after its global writes): count it out."""
-    cute.arch.barrier()
-    if thread == 0:
-        cute.arch.atomic_add(arrivals.iterator + EXITED, Int32(1), sem="release", scope="gpu")
-
-
-@cute.jit
-def pass_gate(gate, thread):
-    """A gated dependent's start (every thread, before any global access): READY seen."""
-    arrivals, _ = gate
-    if thread == 0:
-        while cute.arch.load(arrivals.iterator + READY, Int32, sem="acquire", scope="gpu") == 0:
-            pass
-    cute.arch.barrier()
-    cute.arch.fence_proxy("async.global")  # TMA loads of what the prologue stored
-
-
-@cute.jit
-def leave_gate(gate, thread):
-    """A gated dependent's end (every thread): every CTA of the first kernel has exited."""
-    arrivals, first_ctas = gate
-    cute.arch.barrier()
-    if thread == 0:
-        while cute.arch.load(arrivals.iterator + EXITED, Int32, sem="acquire", scope="gpu") < first_ctas:
-            pass
 
 
 def unit(u, schedule):

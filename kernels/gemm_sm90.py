@@ -49,8 +49,8 @@ from ..layouts.gemm import SHORT_K_INPUT_STAGES, SM90_SMEM_BYTES, WARPGROUP_THRE
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        quad_sum, read_slot)
 from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
-                   launch_schedule, leave_gate, load_k_tile, owner, pass_gate, publish_partial, run_prologue,
-                   count_exited, store_partial, store_piece, unit, batch_last, batch_tile, work)
+                   launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
+                   unit, batch_last, batch_tile, work)
 
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
@@ -60,8 +60,7 @@ class Sm90Gemm:
     k_stacked = False  # Sm90SummedGemm: several products' k-tiles, one C
 
     def __init__(self, tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype=BFloat16,
-                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None, batch_sum: int = 1,
-                 opens_gate: bool = False, gated: bool = False):
+                 epilogue: Epilogue = STORE, pdl: bool = False, side_job=None, prologue=None, batch_sum: int = 1):
         """pdl: launched with programmatic dependent launch, for products that follow another
         kernel of the same host function: the CTAs start as the previous kernel's CTAs retire
         and wait (griddepcontrol) for it to finish before touching global memory.
@@ -71,15 +70,11 @@ class Sm90Gemm:
         prologue: work every thread of every CTA does before the main loop, ending at a grid
         barrier, so the main loop may read what it wrote (gemm.run_prologue; its shared memory
         is the A stages', at least `prologue.scratch_bytes(threads)` of it; `prologue.run(args,
-        scratch, capacity, thread, threads)` is told their whole size).
-        opens_gate (with a prologue): past the grid barrier its dependent may launch and READY is
-        set (gemm.run_prologue); each CTA counts itself out at its end (gemm.count_exited).
-        gated: launched right after such a kernel and reading only what its prologue wrote:
-        waits on that kernel's gate (gemm.pass_gate: `gate` at launch) instead of for its end,
-        so its CTAs take the SMs the first kernel's schedule leaves idle."""
+        scratch, capacity, thread, threads)` is told their whole size). Two products with the same
+        prologue may share one launch (`_launch_pair`)."""
         tiling.check_sm90()
         self.tiling, self.epilogue, self.pdl, self.side_job = tiling, epilogue, pdl, side_job
-        self.prologue, self.opens_gate, self.gated = prologue, opens_gate and prologue is not None, gated
+        self.prologue = prologue
         self.batch_sum = batch_sum  # a batch of sums over this many of A's and B's products (gemm.compile_gemm)
         self.a_layout = LayoutEnum.ROW_MAJOR if a_k_major else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_k_major else LayoutEnum.COL_MAJOR
@@ -114,12 +109,35 @@ class Sm90Gemm:
         self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, in2, out1), stream)
 
     def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
-                side_args=None, prologue_args=None, arrivals=None, grid=None, gate=None):
+                side_args=None, prologue_args=None, arrivals=None, grid=None):
         """The launch for one product, for a group of products sharing B (one A and one C each:
         Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm).
         With a prologue: its arguments, the grid barrier's `arrivals` and the `grid` (CTAs, a
-        whole number of clusters that the device holds at once, at least `ctas`). Gated: `gate`,
-        (the first kernel's `arrivals`, its CTA count)."""
+        whole number of clusters that the device holds at once, at least `ctas`)."""
+        args, ctas = self._arguments(a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras,
+                                     side_args, prologue_args, arrivals, grid)
+        self.kernel(*args).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1,
+            stream=stream, use_pdl=self.pdl, cooperative=self.prologue is not None)  # co-resident: a grid barrier
+
+    def _launch_pair(self, second, first_call, second_call, stream):
+        """This product and `second` in one launch: the CTAs below this product's CTA count run
+        it, the rest run `second`, whose schedule counts them from there. Both have the same
+        prologue (every CTA runs it, then the grid barrier) and side job, so `second` reads what
+        the prologue wrote with no second launch (051 at small T: -4 us of host time a call).
+        first_call, second_call: `_launch`'s arguments for each, less the stream."""
+        if (second.threads, second.cluster_size, self.cluster_size) != (self.threads, 1, 1) or second.prologue is None:
+            raise ValueError("a launched pair needs one thread count, 1 x 1 clusters and a prologue in both")
+        args, grid = self._arguments(*first_call)
+        second_args, _ = second._arguments(*second_call)
+        self.second = second
+        self.pair_kernel(args, second_args, first_call[5]).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream,
+            use_pdl=self.pdl, cooperative=True, smem_merge_branch_allocs=True)
+
+    def _arguments(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras,
+                   side_args=None, prologue_args=None, arrivals=None, grid=None):
+        """(the kernel's arguments, the launch's CTAs) for `_launch`'s call."""
         t = self.tiling
         in0, in1, in2, out1 = extras
         # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
@@ -174,10 +192,8 @@ class Sm90Gemm:
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule, ctas = launch_schedule(self.prologue, self.threads, a_smem, t.spec, dp_tiles, sk_per, ctas, grid,
                                          self.cluster_size)
-        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags,
-                    schedule, fused, grouped, side, side_args, prologue_args, arrivals, gate).launch(
-            grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1,
-            stream=stream, use_pdl=self.pdl, cooperative=self.prologue is not None)  # co-resident: a grid barrier
+        return (tma_a, ta, tma_b, tb, tma_c, tc, tiled_mma, a_smem, b_smem, c_smem, partials, flags, schedule, fused,
+                grouped, side, side_args, prologue_args, arrivals), ctas
 
     def _storage(self, a_smem, b_smem, c_smem):
         """The kernel's shared memory, with a fused epilogue's full barriers (one per slot; built
@@ -196,7 +212,25 @@ class Sm90Gemm:
     def kernel(self, tma_a: cute.CopyAtom, m_a: cute.Tensor, tma_b: cute.CopyAtom, m_b: cute.Tensor,
                tma_c: cute.CopyAtom, m_c: cute.Tensor, tiled_mma: cute.TiledMma, a_smem: cute.ComposedLayout,
                b_smem: cute.ComposedLayout, c_smem: cute.ComposedLayout, partials: cute.Tensor,
-               flags: cute.Tensor, schedule, fused, grouped, side, side_args, prologue_args, arrivals, gate):
+               flags: cute.Tensor, schedule, fused, grouped, side, side_args, prologue_args, arrivals):
+        self._body(tma_a, m_a, tma_b, m_b, tma_c, m_c, tiled_mma, a_smem, b_smem, c_smem, partials, flags, schedule,
+                   fused, grouped, side, side_args, prologue_args, arrivals, 0)
+
+    @cute.kernel
+    def pair_kernel(self, first, second, split: Int32):
+        """_launch_pair's kernel: CTAs below `split` run this product, the others `self.second`
+        (its CTAs counted from `split`); each branch lays out shared memory its own way."""
+        bidx, _, _ = cute.arch.block_idx()
+        if bidx < split:
+            self._body(*first, 0)
+        else:
+            self.second._body(*second, split)
+
+    @cute.jit
+    def _body(self, tma_a, m_a, tma_b, m_b, tma_c, m_c, tiled_mma, a_smem, b_smem, c_smem, partials, flags, schedule,
+              fused, grouped, side, side_args, prologue_args, arrivals, base):
+        """One CTA of the product; `base`: the first CTA of the grid that runs it (its schedule
+        counts CTAs from there)."""
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -218,7 +252,7 @@ class Sm90Gemm:
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()
             run_prologue(self.prologue, prologue_args, arrivals, storage.sA.data_ptr(), cute.cosize(a_smem) * 2,
-                         tidx, self.threads, self.opens_gate)
+                         tidx, self.threads)
         stage_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
         # One producer thread arms each stage; every consumer warp that reads it releases it, in
@@ -284,15 +318,13 @@ class Sm90Gemm:
             tiles_m = tiles_m + cute.ceil_div(cute.size(g_c_i, mode=[2]), t.cluster_m)
         batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
-        if cutlass.const_expr(self.gated):
-            pass_gate(gate, tidx)  # what the first kernel's prologue wrote is visible below
-        elif cutlass.const_expr(self.pdl and self.prologue is None):
+        if cutlass.const_expr(self.pdl and self.prologue is None):
             cute.arch.griddepcontrol_wait()  # every global access below sees the previous kernel done
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp == 0:
-                units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
+                units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size, base)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for u in cutlass.range(units):
                     tile, k_begin, k_end = unit(u, plan)
@@ -317,11 +349,7 @@ class Sm90Gemm:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles,
                           tiles_m, tiles_n, cluster_coord, partials, flags, tidx - WARPGROUP, warp, epilogue_io, side,
-                          batches)
-        if cutlass.const_expr(self.opens_gate):
-            count_exited(arrivals, tidx)
-        if cutlass.const_expr(self.gated):
-            leave_gate(gate, tidx)
+                          batches, base)
 
     def _epilogue_io(self, storage, fused):
         """A fused epilogue's slot tensors in the kernel: ([(TMA atom, global tiles) of each
@@ -339,7 +367,7 @@ class Sm90Gemm:
 
     @cute.jit
     def _consume(self, tiled_mma, ring, s_a, s_b, s_c, g_c, products, starts, schedule, k_tiles, tiles_m, tiles_n,
-                 cluster_coord, partials, flags, ctidx, warp, io, side, batches):
+                 cluster_coord, partials, flags, ctidx, warp, io, side, batches, base):
         """Consumer warpgroups: the MMA main loop and the TMA-store epilogue, unit after unit;
         stream-K units hand partial tiles on or gather them first. A team works each unit: all
         consumer warpgroups (cooperative), or one warpgroup, the two taking units in turn
@@ -391,8 +419,9 @@ class Sm90Gemm:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         done = Int32(0)  # tiles finished by this team: picks the epilogue's shared-memory buffer
-        units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size)
-        slot, _, _ = cute.arch.block_idx()  # this CTA's partial-tile slot and flag
+        units, plan = work(schedule, tiles_m * tiles_n * batches, k_tiles, self.cluster_size, base)
+        bidx, _, _ = cute.arch.block_idx()
+        slot = bidx - base  # this CTA's partial-tile slot and flag
         rank = slot % self.cluster_size
         for u in cutlass.range(units):
             tile, k_begin, k_end = unit(u, plan)
@@ -461,9 +490,6 @@ class Sm90Gemm:
                         store_row_sums(acc, acc_coords, side[0], m, n, self.tiling.tile_m)
                     done += 1
         stores.producer_tail()
-        if cutlass.const_expr(self.opens_gate):
-            if is_store_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=False)  # written, before the CTA counts itself out
 
     @cute.jit
     def _epilogue(self, r2s, thr_r2s, r2s_acc, r2s_dst, piece, s_c, products, product, m, n, done, team, sync,

@@ -1,11 +1,14 @@
-"""L1/051 Gemma3 QKV projection with Q/K RMSNorm backward: two launches of the GEMM core
-(issue 7's summed and grouped modes) from one host call.
+"""L1/051 Gemma3 QKV projection with Q/K RMSNorm backward: the GEMM core's summed and grouped
+modes (issue 7) from one host call, in one launch at small T and two otherwise.
 
     launch 1, the summed product:
       prologue (every CTA, then a grid barrier)     dq, dk, per-CTA norm-weight partials
       main loop                                     grad_hidden_states = [dq dk dv] . [Wq; Wk; Wv]
       side job (the producer's idle warps)          grad_{q,k}_norm_weight = the partials' sums
     launch 2, the grouped product (PDL)             grad_{q,k,v}_weight = [dq dk dv]^T . hidden
+    paired (sm_90a, where the CTAs the summed product leaves idle take the grouped product's
+    tiles in two waves; paired_clusters): one launch, those CTAs run the grouped product past
+    the same prologue and grid barrier (Sm90Gemm._launch_pair)
 
 Why one host call and few launches: on the H200 host each torch view, transpose or allocation
 costs ~3-6 us and each launch from a compiled host function ~4.3 us (the TVM-FFI call itself
@@ -29,18 +32,19 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import H200_SMS, GemmTiling, default_tiling
 from . import runtime
 from .epilogue import STORE
-from .gemm import _ARCH_MODULES, GATE_WORDS, NO_EPILOGUE_TENSORS, _Call, _device_arch
+from .gemm import _ARCH_MODULES, BARRIER_WORDS, NO_EPILOGUE_TENSORS, _Call, _device_arch
 from .gemm_grouped import stacked_k, stacked_rows
 from .column_sum import ColumnSumsInWarps
 from .qk_norm_rows import MAX_HEAD_DIM, VECTOR, QkNormBackward
 
-GATED_ARCHS = ("sm_90a",)  # the GEMM core's gated dependents (gemm.pass_gate): Hopper's, so far
+PAIRED_ARCHS = ("sm_90a",)  # the GEMM core's launched pairs (Sm90Gemm._launch_pair): Hopper's, so far
 
 
 def rows(t, count, width, stride, first: int = 0):
@@ -57,11 +61,12 @@ class QkvQkNormBackward:
     """The whole backward in one compiled host function, two launches: the summed product (A
     K-major, B = the weights read N-major in place), whose prologue makes dq, dk and the
     per-CTA partials and whose side job adds the partials into both norm-weight gradients;
-    then the grouped product (A = dq/dk/dv read M-major, B = hidden_states read N-major)."""
+    then the grouped product (A = dq/dk/dv read M-major, B = hidden_states read N-major); or
+    both in one launch (`paired`)."""
 
     def __init__(self, head_dim: int, q_heads: int, hidden: int, arch: str, summed: GemmTiling,
-                 grouped: GemmTiling, gated: bool = False):
-        self.head_dim, self.q_heads, self.hidden, self.gated = head_dim, q_heads, hidden, gated
+                 grouped: GemmTiling, paired: bool = False):
+        self.head_dim, self.q_heads, self.hidden, self.paired = head_dim, q_heads, hidden, paired
         self.norm = QkNormBackward(head_dim)
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
         # Both launches under programmatic dependent launch: a product's CTAs start (barriers,
@@ -69,15 +74,14 @@ class QkvQkNormBackward:
         # run in the summed product's idle warps instead of a launch of their own. (Session 15,
         # one process, mean a call over the 16 workloads: 50.6 us with neither, 48.6 with PDL,
         # 44.6 with both.)
-        # Gated (Hopper, `gated_clusters`): the weight gradients read only the first kernel's
-        # dq/dk, so they start past its norm rows (gemm.pass_gate) on the SMs its schedule leaves
-        # idle, instead of after its last tile.
-        gate = {"opens_gate": True} if gated else {}
+        # Paired (Hopper, `paired_clusters`): the weight gradients read only the prologue's
+        # dq/dk, so the CTAs the summed product's schedule leaves idle run them past the grid
+        # barrier, in the same launch (so they too run the prologue and the side job).
         sums = ColumnSumsInWarps(2 * head_dim, head_dim)
         self.summed = main_loop.Summed(summed, True, False, BFloat16, STORE, pdl=True, side_job=sums,
-                                       prologue=self.norm, **gate)
-        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=True,
-                                         **({"gated": True} if gated else {}))
+                                       prologue=self.norm)
+        both = {"side_job": sums, "prologue": self.norm} if paired else {}
+        self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=True, **both)
 
     @cute.jit
     def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
@@ -104,15 +108,18 @@ class QkvQkNormBackward:
         rows_k = rows(dqk, tokens, d, row, first=q_cols)
         rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
         x = rows(hidden, tokens, width, width)
-        self.summed._launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
-                            [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas,
-                            sum_dp_tiles, sum_per, NO_EPILOGUE_TENSORS, stream,
-                            side_args=(partial_rows, grad_weight_q, grad_weight_k), prologue_args=prologue,
-                            arrivals=arrivals, grid=grid)
-        self.grouped._launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
-                             [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
-                             group_per, NO_EPILOGUE_TENSORS, stream,
-                             **({"gate": (arrivals, grid)} if self.gated else {}))
+        side_args = (partial_rows, grad_weight_q, grad_weight_k)
+        summed = ([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
+                  [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas, sum_dp_tiles, sum_per,
+                  NO_EPILOGUE_TENSORS, side_args, prologue, arrivals, grid)
+        grouped = ([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
+                   [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles, group_per,
+                   NO_EPILOGUE_TENSORS)
+        if cutlass.const_expr(self.paired):
+            self.summed._launch_pair(self.grouped, summed, (*grouped, side_args, prologue, arrivals, grid), stream)
+        else:
+            self.summed._launch(*summed[:9], stream, *summed[9:])
+            self.grouped._launch(*grouped, stream)
 
 
 def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling):
@@ -156,41 +163,48 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
             matrix(q_heads * d), matrix(d), matrix(d), activations(), matrix(q_heads * d), matrix(d), matrix(d),
             grad_weight(), grad_weight(), runtime.fake_tensor(BFloat16, (cute.sym_int32(),), (1,), 16),
             flat(Float32, 2 * d), *schedule(summed), *schedule(grouped),
-            runtime.fake_tensor(Int32, (GATE_WORDS,), (1,), 4), Int32(1), runtime.env_stream())
+            runtime.fake_tensor(Int32, (BARRIER_WORDS,), (1,), 4), Int32(1), runtime.env_stream())
 
 
 def _build(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling, arch: str,
-           dump_dir=None, gated: bool = False):
+           dump_dir=None, paired: bool = False):
     summed, grouped = dataclasses.replace(summed, split_k=False), dataclasses.replace(grouped, split_k=False)
-    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped, gated),
-                                  QkvQkNormBackward(head_dim, q_heads, hidden, arch, summed, grouped, gated),
+    return runtime.compile_kernel(("qkv_qknorm_backward", head_dim, q_heads, hidden, summed, grouped, paired),
+                                  QkvQkNormBackward(head_dim, q_heads, hidden, arch, summed, grouped, paired),
                                   *_fake_args(head_dim, q_heads, hidden, summed, grouped),
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
-def gated_clusters(arch: str, grouped: GemmTiling, rows: int, hidden: int, idle_ctas: int):
-    """The weight gradients' clusters when they run gated (gemm.pass_gate: from the summed
-    product's grid barrier, on the CTAs its schedule leaves idle), or None to run them after it.
-    Gated only where the idle CTAs take all their tiles in two waves: a product that needs the
-    busy SMs too would start its last tiles after the summed product all the same.
+def paired_clusters(arch: str, summed: GemmTiling, grouped: GemmTiling, rows: int, hidden: int,
+                    idle_ctas: int):
+    """The weight gradients' clusters when they run paired (Sm90Gemm._launch_pair: in the summed
+    product's launch, past its grid barrier, on the CTAs its schedule leaves idle), or None to
+    launch them after it. Paired only where the idle CTAs take all their tiles in two waves (a
+    product that needs the busy SMs too would start its last tiles after the summed product all
+    the same), and where both products' CTAs are alike (one CTA a cluster, the same warpgroups).
 
-    H200, session 27 (graph replay us, one process): gated on the idle SMs against after the
-    summed product, 1x131 13.67 vs 16.17 and 4x128 15.38 vs 17.43. Gated on every SM instead (its
-    CTAs start wherever a summed CTA retires): 1x131 15.77, 4x128 17.92, 1x2048 28.30 vs 30.06,
-    1x1024 20.50 vs 20.06, 4x256 20.16 vs 19.75, and 1x8192 87.0 vs 83.3 (the early launch and
-    the exit count cost there); so only where the idle SMs suffice (T <= 512 at Gemma's dims)."""
-    if arch not in GATED_ARCHS:
+    H200, graph replay us, one process:
+    - session 27, the weight gradients launched second and gated on the grid barrier, on the
+      idle SMs, against after the summed product: 1x131 13.67 vs 16.17, 4x128 15.38 vs 17.43.
+      On every SM instead (its CTAs start wherever a summed CTA retires): 1x131 15.77, 4x128
+      17.92, 1x2048 28.30 vs 30.06, 1x1024 20.50 vs 20.06, 4x256 20.16 vs 19.75, 1x8192 87.0 vs
+      83.3: so only where the idle SMs suffice (T <= 512 at Gemma's dims).
+    - session 29, paired in one launch against gated: 1x131 11.99 -> 10.79, 2x128 11.89 ->
+      10.54, 4x128 14.01 -> 13.52, 1x512 14.13 -> 13.46; host time a call with out= (the host
+      slow that run) 17.7 -> 13.9, 22.1 -> 14.5, 26.3 -> 21.6, 24.2 -> 19.4."""
+    alike = (summed.cluster_m * summed.cluster_n == 1 == grouped.cluster_m * grouped.cluster_n
+             and summed.mma_warpgroups == grouped.mma_warpgroups)
+    if arch not in PAIRED_ARCHS or not alike:
         return None
-    idle = idle_ctas // (grouped.cluster_m * grouped.cluster_n)
-    return idle if idle > 0 and 2 * idle >= grouped.cluster_tiles(rows, hidden) else None
+    return idle_ctas if idle_ctas > 0 and 2 * idle_ctas >= grouped.cluster_tiles(rows, hidden) else None
 
 
 def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
     """grad_hidden's tiling: the GEMM core's rules, but for two bands measured better."""
     if arch == "sm_90a" and tokens <= 256:
         # 64 x 64 tiles: twice the CTAs on grad_hidden, and the idle ones still take the
-        # weight gradients gated (gated_clusters). H200 (session 28, graph replay): 1x131
-        # 12.72 -> 11.86 us, 2x128 12.55 -> 11.93; at 4x128 (80 CTAs, too few idle to gate)
+        # weight gradients paired (paired_clusters). H200 (session 28, graph replay): 1x131
+        # 12.72 -> 11.86 us, 2x128 12.55 -> 11.93; at 4x128 (80 CTAs, too few idle to pair)
         # 14.12 -> 15.73, so not there. Not a shorter K loop per CTA: clock stamps of one call
         # put each k-tile at ~150-165 ns with either tile (the gain is not explained yet).
         return GemmTiling(tile_m=64, tile_n=64)
@@ -220,17 +234,17 @@ def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTilin
 
 
 def _audit_build(tokens: int):
-    """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`, gated as on the
+    """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`, paired as on the
     H200 (132 SMs)."""
     def build(arch, dump_dir):
         summed, grouped = summed_tiling(tokens, 640, 1536, arch), grouped_tiling(tokens, 640, 1536, arch)
         busy = min(H200_SMS, summed.cluster_tiles(tokens, 640) * summed.cluster_m * summed.cluster_n)
-        gated = gated_clusters(arch, grouped, 1536, 640, H200_SMS - busy) is not None
-        return _build(256, 4, 640, summed, grouped, arch, dump_dir, gated)
+        paired = paired_clusters(arch, summed, grouped, 1536, 640, H200_SMS - busy) is not None
+        return _build(256, 4, 640, summed, grouped, arch, dump_dir, paired)
     return build
 
 
-# T = 131: gated on sm_90a (gated_clusters)
+# T = 131: paired on sm_90a (paired_clusters)
 AUDIT_BUILDS = {f"qkv_qknorm_backward[T={t}]": _audit_build(t) for t in (131, 1024, 4096, 8192)}
 # The norm rows: 16-byte cp.async loads into each warp's ring and 16-byte stores; the products:
 # the GEMM core's own expectations (warpgroup or tcgen05 MMAs fed by TMA, TMA stores). No
@@ -273,8 +287,8 @@ class _Entry:
 
 
 class _Scratch(runtime.StreamWorkspace):
-    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's count and the
-    gate (int32 [GATE_WORDS], zero before the first call) and the dq/dk buffer (bf16, grown to the
+    """Per stream: the norm rows' partial rows (fp32 [ctas, 2d]), the grid barrier's count
+    (int32 [BARRIER_WORDS], zero before the first call) and the dq/dk buffer (bf16, grown to the
     longest call). The three are made again together when it grows; dropping the old ones is
     safe, as the caching allocator hands their memory out again only after the work already
     queued on that stream."""
@@ -282,7 +296,7 @@ class _Scratch(runtime.StreamWorkspace):
     def _new(self, dqk_elements: int):
         import torch
 
-        return (super()._new(), torch.zeros(GATE_WORDS, dtype=torch.int32, device=self.device),
+        return (super()._new(), torch.zeros(BARRIER_WORDS, dtype=torch.int32, device=self.device),
                 torch.empty(dqk_elements, dtype=torch.bfloat16, device=self.device))
 
     def _fits(self, buffer, dqk_elements: int) -> bool:
@@ -314,11 +328,11 @@ class _Plan:
         # (all resident: its prologue ends at a grid barrier)
         size = summed.cluster_m * summed.cluster_n
         self.grid = entry.max_clusters(size) * size
-        idle = gated_clusters(entry.arch, grouped, stacked_rows(widths, grouped), hidden,
-                              self.grid - self.summed.ctas)
+        idle = paired_clusters(entry.arch, summed, grouped, stacked_rows(widths, grouped), hidden,
+                               self.grid - self.summed.ctas)
         self.grouped = schedule(grouped, stacked_rows(widths, grouped), tokens, idle)
         self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch,
-                                               gated=idle is not None))
+                                               paired=idle is not None))
 
 
 _entries: dict = {}  # (head_dim, q heads, device index) -> _Entry

@@ -62,14 +62,14 @@ def test_capture_gets_its_own_set_every_time(streams):
 
 
 def test_051_scratch_grows_with_dq_dk(streams):
-    from cutebwd.kernels.gemm import GATE_WORDS
+    from cutebwd.kernels.gemm import BARRIER_WORDS
     from cutebwd.kernels.qkv_qknorm_backward import _Scratch
 
     scratch = _Scratch(4, 8, torch.device("cpu"))
     partials, arrivals, dqk = scratch.get(100)
     assert partials.shape == (4, 8) and partials.dtype == torch.float32
-    assert arrivals.tolist() == [0] * GATE_WORDS and arrivals.dtype == torch.int32
+    assert arrivals.tolist() == [0] * BARRIER_WORDS and arrivals.dtype == torch.int32
     assert dqk.numel() == 100 and dqk.dtype == torch.bfloat16
     assert scratch.get(60)[2] is dqk  # fits: the same set
     grown = scratch.get(101)
-    assert grown[2].numel() == 101 and grown[2] is not dqk and grown[1].tolist() == [0] * GATE_WORDS
+    assert grown[2].numel() == 101 and grown[2] is not dqk and grown[1].tolist() == [0] * BARRIER_WORDS

@@ -152,3 +152,28 @@ def test_no_tokens_gives_zero_gradients():
            *(torch.full_like(t, float("nan"), dtype=torch.float32) for t in inputs[7:9]))
     kernel(*inputs, out=out)
     assert out[0].numel() == 0 and all(bool((t == 0).all()) for t in out[1:])
+
+
+@pytest.mark.parametrize("tokens,dims,arch,paired", [
+    (131, (256, 4, 640), "sm_90a", True),  # Gemma at small T: the idle CTAs take the weight gradients
+    (512, (256, 4, 640), "sm_90a", True),
+    (1024, (256, 4, 640), "sm_90a", False),  # too few idle CTAs for two waves
+    (131, (256, 4, 640), "sm_100a", False),  # no launched pairs on Blackwell yet
+    (300, (512, 1, 1024), "sm_90a", False),  # weight gradients in 2 x 1 clusters: not alike
+])
+def test_weight_gradients_pair_with_the_summed_product_only_where_alike(tokens, dims, arch, paired):
+    """One launch (Sm90Gemm._launch_pair) needs idle CTAs for two waves of the weight gradients
+    and both products' CTAs alike (one CTA a cluster, the same consumer warpgroups)."""
+    from cutebwd.kernels import qkv_qknorm_backward as M
+    from cutebwd.kernels.gemm_grouped import stacked_rows
+    from cutebwd.layouts.gemm import H200_SMS
+
+    d, heads, hidden = dims
+    widths = (heads * d, d, d)
+    summed = M.summed_tiling(tokens, hidden, sum(widths), arch)
+    grouped = M.grouped_tiling(tokens, hidden, sum(widths), arch)
+    busy = min(H200_SMS, summed.cluster_tiles(tokens, hidden) * summed.cluster_m * summed.cluster_n)
+    idle = M.paired_clusters(arch, summed, grouped, stacked_rows(widths, grouped), hidden, H200_SMS - busy)
+    assert (idle is not None) == paired
+    if paired:
+        assert idle == H200_SMS - busy and summed.mma_warpgroups == grouped.mma_warpgroups
