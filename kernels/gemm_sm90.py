@@ -130,8 +130,9 @@ class Sm90Gemm:
             raise ValueError("a launched pair needs one thread count, 1 x 1 clusters and a prologue in both")
         args, grid = self._arguments(*first_call)
         second_args, _ = second._arguments(*second_call)
-        self.second = second
-        self.pair_kernel(args, second_args, first_call[5]).launch(
+        self.second = second  # pair_kernel's other branch
+        split = first_call[5]  # this product's CTAs (`ctas`): the second's start past them
+        self.pair_kernel(args, second_args, split).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream,
             use_pdl=self.pdl, cooperative=True, smem_merge_branch_allocs=True)
 

@@ -199,6 +199,16 @@ def paired_clusters(arch: str, summed: GemmTiling, grouped: GemmTiling, rows: in
     return idle_ctas if idle_ctas > 0 and 2 * idle_ctas >= grouped.cluster_tiles(rows, hidden) else None
 
 
+def h200_pairing(tokens: int, hidden: int, widths, arch: str):
+    """(summed tiling, grouped tiling, paired_clusters' answer) at `tokens` on an H200 (132 SMs),
+    for builds and checks made without the device (the audit's, the tests')."""
+    summed = summed_tiling(tokens, hidden, sum(widths), arch)
+    grouped = grouped_tiling(tokens, hidden, sum(widths), arch)
+    busy = min(H200_SMS, summed.cluster_tiles(tokens, hidden) * summed.cluster_m * summed.cluster_n)
+    return summed, grouped, paired_clusters(arch, summed, grouped, stacked_rows(widths, grouped), hidden,
+                                            H200_SMS - busy)
+
+
 def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
     """grad_hidden's tiling: the GEMM core's rules, but for two bands measured better."""
     if arch == "sm_90a" and tokens <= 256:
@@ -237,10 +247,8 @@ def _audit_build(tokens: int):
     """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`, paired as on the
     H200 (132 SMs)."""
     def build(arch, dump_dir):
-        summed, grouped = summed_tiling(tokens, 640, 1536, arch), grouped_tiling(tokens, 640, 1536, arch)
-        busy = min(H200_SMS, summed.cluster_tiles(tokens, 640) * summed.cluster_m * summed.cluster_n)
-        paired = paired_clusters(arch, summed, grouped, 1536, 640, H200_SMS - busy) is not None
-        return _build(256, 4, 640, summed, grouped, arch, dump_dir, paired)
+        summed, grouped, idle = h200_pairing(tokens, 640, (1024, 256, 256), arch)
+        return _build(256, 4, 640, summed, grouped, arch, dump_dir, idle is not None)
     return build
 
 

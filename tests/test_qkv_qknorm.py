@@ -164,16 +164,12 @@ def test_no_tokens_gives_zero_gradients():
 def test_weight_gradients_pair_with_the_summed_product_only_where_alike(tokens, dims, arch, paired):
     """One launch (Sm90Gemm._launch_pair) needs idle CTAs for two waves of the weight gradients
     and both products' CTAs alike (one CTA a cluster, the same consumer warpgroups)."""
-    from cutebwd.kernels import qkv_qknorm_backward as M
-    from cutebwd.kernels.gemm_grouped import stacked_rows
+    from cutebwd.kernels.qkv_qknorm_backward import h200_pairing
     from cutebwd.layouts.gemm import H200_SMS
 
     d, heads, hidden = dims
-    widths = (heads * d, d, d)
-    summed = M.summed_tiling(tokens, hidden, sum(widths), arch)
-    grouped = M.grouped_tiling(tokens, hidden, sum(widths), arch)
+    summed, grouped, idle = h200_pairing(tokens, hidden, (heads * d, d, d), arch)
     busy = min(H200_SMS, summed.cluster_tiles(tokens, hidden) * summed.cluster_m * summed.cluster_n)
-    idle = M.paired_clusters(arch, summed, grouped, stacked_rows(widths, grouped), hidden, H200_SMS - busy)
     assert (idle is not None) == paired
     if paired:
         assert idle == H200_SMS - busy and summed.mma_warpgroups == grouped.mma_warpgroups
