@@ -140,9 +140,13 @@ def test_new_outputs_have_the_contract_shapes_and_dtypes():
     from cutebwd.kernels.qkv_qknorm_backward import _outputs
 
     inputs = PROBLEM.make_inputs(2, 16)
-    made = _outputs(None, *inputs[3:7], inputs[0].shape[3])
     expected = PROBLEM.reference(*inputs)
-    assert [(t.shape, t.dtype) for t in made] == [(t.shape, t.dtype) for t in expected]
+    d = inputs[0].shape[3]
+    # with and without the fp32 [head_dim] tensor the call makes the norm-weight gradients like
+    for like in (None, torch.empty(d, dtype=torch.float32)):
+        made = _outputs(None, *inputs[3:7], d, like)
+        assert [(t.shape, t.dtype) for t in made] == [(t.shape, t.dtype) for t in expected]
+        assert len({t.data_ptr() for t in made}) == 6  # six tensors of their own
 
 
 @pytest.mark.gpu

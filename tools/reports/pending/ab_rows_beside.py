@@ -1,0 +1,42 @@
+"""051's norm rows beside the weight gradients (session 30, tools/reports/051-plan.md): with
+rows_beside.patch applied, per-kernel GPU times (torch profiler) and graph replay of the op,
+parity first. Tags: main (the prologue design), beside (256-token chunks, ring of 3), or
+cCHUNK[rRING], e.g.
+
+    timeout 250 python3 tools/reports/pending/ab_rows_beside.py 1x8192,1x4096 main,c1024r6 \
+        2>&1 | grep --line-buffered -v "Warning\|warn_once"
+"""
+import sys
+import torch
+sys.path.insert(0, "tools/reports/pending")
+from ab_op import op_for, shapes
+from cutebwd.kernels import qkv_qknorm_backward as M
+from cutebwd.tools import timing
+
+
+def setup(tag):
+    M.STREAM_FROM = 1 << 30 if tag == "main" else 4096
+    # cCHUNK[rRING]
+    spec = tag[1:].split("r") if tag.startswith("c") else ["256", "3"]
+    M.CHUNK_TOKENS, M.BESIDE_RING = int(spec[0]), int(spec[1]) if len(spec) > 1 else 3
+
+
+for batch, seq in shapes(sys.argv[1]):
+    calls = {}
+    for tag in sys.argv[2].split(","):
+        ok, fn, out = op_for(tag, batch, seq, setup)
+        print(f"{batch}x{seq} {tag}: parity {'ok' if ok else 'FAILED'}", flush=True)
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        rows = [(e.key[:60], e.device_time_total / e.count, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+        for name, us, n in rows:
+            print(f"   {tag}: {name:60s} {us:8.2f} us x{n}", flush=True)
+        if ok:
+            calls[tag] = fn
+    res = timing.interleaved_us(calls, seconds=1.0)
+    print(f"{batch}x{seq}: graph " + "  ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True)
