@@ -408,14 +408,13 @@ def _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim, norm_gr
 
     from .checks import check_same_device, check_tensor
 
-    # empty_like: ~3.3 us a tensor on the H200 host against ~6 for torch.empty(shape, ...)
-    if out is None and norm_grad_like is not None:
-        return (torch.empty_like(hidden_states), torch.empty_like(q_weight), torch.empty_like(k_weight),
-                torch.empty_like(v_weight), torch.empty_like(norm_grad_like), torch.empty_like(norm_grad_like))
     if out is None:
+        # empty_like is the cheapest allocation on the H200 host (session 30: 1.73-1.98 us a
+        # tensor against 2.20-2.48 for torch.empty(shape, dtype=, device=))
+        norm = (torch.empty_like(norm_grad_like) if norm_grad_like is not None
+                else torch.empty(head_dim, dtype=torch.float32, device=hidden_states.device))
         return (torch.empty_like(hidden_states), torch.empty_like(q_weight), torch.empty_like(k_weight),
-                torch.empty_like(v_weight), torch.empty(head_dim, dtype=torch.float32, device=hidden_states.device),
-                torch.empty(head_dim, dtype=torch.float32, device=hidden_states.device))
+                torch.empty_like(v_weight), norm, torch.empty_like(norm))
     shapes = (tuple(hidden_states.shape), tuple(q_weight.shape), tuple(k_weight.shape), tuple(v_weight.shape),
               (head_dim,), (head_dim,))
     dtypes = (torch.bfloat16,) * 4 + (torch.float32,) * 2
