@@ -448,8 +448,9 @@ _ARCH_MODULES = {"sm_90a": ".gemm_sm90", "sm_100a": ".gemm_sm100"}  # the per-ar
 class _StreamKWorkspace(runtime.StreamWorkspace):
     """Per CUDA stream: fp32 partial tiles [ctas, tile elements] and int32 ready flags [ctas].
     The flags start at zero and each finisher sets the ones it consumed back to zero, so a
-    pair serves call after call on its stream. Under CUDA-graph capture a fresh pair comes
-    from the graph's pool (the flags' zero fill is captured too)."""
+    pair serves call after call on its stream. Under CUDA-graph capture a pair comes from the
+    graph's pool (runtime.PerStream: one a capture sequence and stream, its zero fill captured
+    once)."""
 
     def _new(self):
         import torch

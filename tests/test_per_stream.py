@@ -1,5 +1,5 @@
-"""Per-stream scratch (kernels/runtime.PerStream): one set per CUDA stream, a fresh one under
-graph capture, the capture query skipped on the legacy default stream; 051's combined scratch
+"""Per-stream scratch (kernels/runtime.PerStream): one set per CUDA stream, one per stream of
+each graph capture, the capture query skipped on the legacy default stream; 051's combined scratch
 grows with its dq/dk need. On any machine: the stream and capture queries are stood in for."""
 import pytest
 import torch
@@ -50,15 +50,34 @@ def test_the_default_stream_skips_the_capture_query(streams):
     assert streams["queries"] == 1
 
 
-def test_capture_gets_its_own_set_every_time(streams):
+def test_a_capture_shares_one_set_per_stream(streams, monkeypatch):
+    """A graph's calls on one stream share a set (they replay in order); another capture
+    sequence or another stream of the same capture gets its own; eager calls keep theirs."""
+    monkeypatch.setattr(runtime, "capture_sequence", lambda stream: streams["sequence"])
     scratch = Counter()
     streams["stream"] = 0x7F00
     eager = scratch.get()
-    streams["capturing"] = True
-    captured = [scratch.get(), scratch.get()]
-    assert len({eager, *captured}) == 3
+    streams["capturing"], streams["sequence"] = True, 11
+    first = scratch.get()
+    assert scratch.get() == first != eager
+    streams["stream"] = 0x7E00  # a stream forked into the same capture
+    assert scratch.get() not in (first, eager)
+    streams["stream"], streams["sequence"] = 0x7F00, 12  # the next graph
+    second = scratch.get()
+    assert second not in (first, eager) and scratch.get() == second
     streams["capturing"] = False
     assert scratch.get() == eager
+
+
+def test_a_capture_grows_its_set(streams, monkeypatch):
+    monkeypatch.setattr(runtime, "capture_sequence", lambda stream: 5)
+    from cutebwd.kernels.qkv_qknorm_backward import _Scratch
+
+    scratch = _Scratch(4, 8, torch.device("cpu"))
+    streams["stream"], streams["capturing"] = 0x7F00, True
+    small = scratch.get(100)
+    assert scratch.get(60)[2] is small[2]
+    assert scratch.get(101)[2].numel() == 101
 
 
 def test_051_scratch_grows_with_dq_dk(streams):

@@ -122,17 +122,24 @@ def test_argument_errors():
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_matches_eager():
-    """Captured calls get their own scratch (dq/dk buffer, partial rows) and give eager's bits."""
-    inputs = PROBLEM.make_inputs(2, 300, device="cuda", seed=7)
-    expected = [t.clone() for t in kernel(*inputs)]
-    out = tuple(torch.full_like(t, float("nan")) for t in expected)
-    graph = capture(lambda: kernel(*inputs, out=out))
+    """Captured calls share their capture's scratch (dq/dk buffer, partial rows, barrier
+    counters; grown when a larger call comes) and give eager's bits, replay after replay, with
+    a second graph replayed in between."""
+    cases = [PROBLEM.make_inputs(b, s, device="cuda", seed=7 + i) for i, (b, s) in enumerate([(2, 300), (1, 131),
+                                                                                              (4, 300)])]
+    expected = [[t.clone() for t in kernel(*inputs)] for inputs in cases]
+    outs = [tuple(torch.full_like(t, float("nan")) for t in e) for e in expected]
+    graph = capture(lambda: [kernel(*inputs, out=out) for inputs, out in zip(cases, outs)])
+    other_out = tuple(torch.full_like(t, float("nan")) for t in expected[1])
+    other = capture(lambda: kernel(*cases[1], out=other_out))
     for _ in range(2):
-        for t in out:
+        for t in (*(t for out in outs for t in out), *other_out):
             t.fill_(float("nan"))
         graph.replay()
+        other.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(out, expected))
+        for out, e in zip((*outs, other_out), (*expected, expected[1])):
+            assert all(torch.equal(a, b) for a, b in zip(out, e))
 
 
 def test_new_outputs_have_the_contract_shapes_and_dtypes():
