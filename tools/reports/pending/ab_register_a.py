@@ -1,0 +1,42 @@
+"""051's summed product with A through registers (session 31, tools/reports/051-plan.md): with
+register_a.patch applied, tags ss (today's shared-memory A), rs (ldmatrix + register-sourced
+warpgroup MMAs) and rs2 (rs plus the fused operand path's arithmetic on a second tile), each
+checked for parity and bitwise equality with ss, then graph replay turn by turn and the
+kernels' profiler times:
+
+    timeout 400 python3 tools/reports/pending/ab_register_a.py 1x8192,1x4096 ss,rs,rs2 \
+        2>&1 | grep --line-buffered -v "Warning\|warn_once"
+"""
+import sys
+import torch
+sys.path.insert(0, "tools/reports/pending")
+from ab_op import op_for, shapes
+from cutebwd.kernels import gemm_sm90
+from cutebwd.tools import timing
+
+
+def setup(tag):
+    gemm_sm90.REGISTER_A = {"rs": 1, "rs2": 2}.get(tag, 0)
+
+
+for batch, seq in shapes(sys.argv[1]):
+    calls, outs = {}, {}
+    for tag in sys.argv[2].split(","):
+        ok, fn, out = op_for(tag, batch, seq, setup)
+        fn()
+        torch.cuda.synchronize()
+        outs[tag] = [t.clone() for t in out]
+        print(f"{batch}x{seq} {tag}: parity {'ok' if ok else 'FAILED'}", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_time_total > 0:
+                print(f"   {tag}: {e.key[:70]:70s} {e.device_time_total / e.count:8.2f} us x{e.count}", flush=True)
+        if ok:
+            calls[tag] = fn
+    same = {t: all(torch.equal(a, b) for a, b in zip(outs["ss"], o)) for t, o in outs.items()}
+    res = timing.interleaved_us(calls, seconds=2.0)
+    print(f"{batch}x{seq}: bitwise equal to ss: {same}; graph " + "  ".join(f"{k} {v:.2f}" for k, v in res.items()),
+          flush=True)
