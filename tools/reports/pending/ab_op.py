@@ -49,3 +49,14 @@ def bitwise_repeat(call, out, repeat: int) -> bool:
         same = same and all(torch.equal(a, b) for a, b in zip(first, out))
     torch.cuda.synchronize()
     return same
+
+
+def kernel_times(call, calls: int = 10):
+    """[(kernel name, GPU us a launch, launches)] of `calls` calls after a warm one (torch profiler)."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return [(e.key, e.device_time_total / e.count, e.count) for e in prof.key_averages() if e.device_time_total > 0]

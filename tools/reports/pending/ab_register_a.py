@@ -10,7 +10,7 @@ kernels' profiler times:
 import sys
 import torch
 sys.path.insert(0, "tools/reports/pending")
-from ab_op import op_for, shapes
+from ab_op import kernel_times, op_for, shapes
 from cutebwd.kernels import gemm_sm90
 from cutebwd.tools import timing
 
@@ -27,13 +27,8 @@ for batch, seq in shapes(sys.argv[1]):
         torch.cuda.synchronize()
         outs[tag] = [t.clone() for t in out]
         print(f"{batch}x{seq} {tag}: parity {'ok' if ok else 'FAILED'}", flush=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-        for e in prof.key_averages():
-            if e.device_time_total > 0:
-                print(f"   {tag}: {e.key[:70]:70s} {e.device_time_total / e.count:8.2f} us x{e.count}", flush=True)
+        for name, us, n in kernel_times(fn):
+            print(f"   {tag}: {name[:70]:70s} {us:8.2f} us x{n}", flush=True)
         if ok:
             calls[tag] = fn
     same = {t: all(torch.equal(a, b) for a, b in zip(outs["ss"], o)) for t, o in outs.items()}

@@ -6,13 +6,11 @@ register_a.patch applied; tags ss|rs|rs2:<tiling spec>:
         ss:128x160c2x1,rs2:128x160c2x1,ss:128x64c2x1,rs2:128x64c2x1
 """
 import sys
-import torch
 sys.path.insert(0, "tools/reports/pending")
-from ab_op import op_for, shapes
+from ab_op import kernel_times, op_for, shapes
 from cutebwd.kernels import gemm_sm90
 from cutebwd.kernels import qkv_qknorm_backward as M
 from cutebwd.layouts.gemm import GemmTiling
-from cutebwd.tools import timing
 
 
 def setup(tag):
@@ -26,12 +24,6 @@ for batch, seq in shapes(sys.argv[1]):
     for tag in sys.argv[2].split(","):
         ok, fn, out = op_for(tag, batch, seq, setup)
         print(f"{batch}x{seq} {tag}: parity {'ok' if ok else 'FAILED'}", flush=True)
-        fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-        for e in prof.key_averages():
-            if e.device_time_total > 0 and "Summed" in e.key:
-                print(f"   {tag}: summed kernel {e.device_time_total / e.count:8.2f} us", flush=True)
+        for name, us, _ in kernel_times(fn):
+            if "Summed" in name:
+                print(f"   {tag}: summed kernel {us:8.2f} us", flush=True)

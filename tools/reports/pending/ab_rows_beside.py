@@ -8,9 +8,8 @@ diagnostics with wrong results, for timing only), e.g. the next probe:
         2>&1 | grep --line-buffered -v "Warning\|warn_once"
 """
 import sys
-import torch
 sys.path.insert(0, "tools/reports/pending")
-from ab_op import op_for, shapes
+from ab_op import kernel_times, op_for, shapes
 from cutebwd.kernels import qkv_qknorm_backward as M
 from cutebwd.tools import timing
 
@@ -28,16 +27,8 @@ for batch, seq in shapes(sys.argv[1]):
     for tag in sys.argv[2].split(","):
         ok, fn, out = op_for(tag, batch, seq, setup)
         print(f"{batch}x{seq} {tag}: parity {'ok' if ok else 'FAILED'}", flush=True)
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-        rows = [(e.key[:60], e.device_time_total / e.count, e.count) for e in prof.key_averages() if e.device_time_total > 0]
-        for name, us, n in rows:
-            print(f"   {tag}: {name:60s} {us:8.2f} us x{n}", flush=True)
+        for name, us, n in kernel_times(fn):
+            print(f"   {tag}: {name[:60]:60s} {us:8.2f} us x{n}", flush=True)
         if ok or tag[-1] in "ws":  # the diagnostics are timed though wrong
             calls[tag] = fn
     res = timing.interleaved_us(calls, seconds=1.0)
