@@ -107,8 +107,8 @@ class PerStream:
 
     Calls on one stream run in order, so they never overlap on it; another stream gets its
     own. Under CUDA-graph capture a set comes from the graph's pool, so replays own their
-    memory and never race eager calls: one set per capture sequence and stream, which a graph's
-    calls on that stream share as eager calls do (they replay in the same order).
+    memory and never race eager calls: a graph's calls on one stream share a set as eager calls
+    do (they replay in the same order); a call from another stream or capture makes a new one.
     """
 
     def __init__(self, device):
@@ -138,8 +138,10 @@ class PerStream:
     def _for_capture(self, stream, *need):
         """The set of `stream`'s capture sequence. A fresh set in every captured call put a fill
         kernel (the zeroed counters) in each: 051's graph replay took 10.49 against 9.15 us a
-        call at 2 x 128 (H200, session 31). Only the latest capture's set is held; an older one
-        goes back to its graph's pool, which that graph keeps until it is destroyed."""
+        call at 2 x 128 (H200, session 31). Only the latest (stream, capture sequence)'s set is
+        held, so calls alternating between two streams of one capture each make a new one (as
+        before); a dropped set goes back to its graph's pool, which the graph keeps until it is
+        destroyed."""
         key = (stream, capture_sequence(stream))
         held, buffer = self._captured
         if held != key or not self._fits(buffer, *need):
