@@ -2,7 +2,8 @@
 
 The deterministic second half of a weight-gradient reduction: kernels write one fp32 partial
 row per CTA (no float atomics), and this adds them in an order that depends only on the
-partial count, so the result is bitwise repeatable run to run.
+partial count, so the result is bitwise repeatable run to run. The sum is fp32 throughout;
+a bf16 `out` gets it rounded once, at the store.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from .rows import VECTOR, vector, wide_copy
 
 
 class ColumnSum:
-    """out[j] = sum_i partials[i, j], hidden a multiple of VECTOR.
+    """out[j] = sum_i partials[i, j], hidden a multiple of VECTOR; out fp32 or bf16 (its
+    element type, fixed at compile time, picks the store).
 
     A CTA owns LINE_VECTORS column vectors (64 bytes of each partial row) and spreads the
     partial rows over 128 streams: ROW_LANES row lanes in each of WARPS warps, stream s adding
@@ -77,7 +79,9 @@ class ColumnSum:
             acc.fill(0.0)
             for w in cutlass.range_constexpr(self.WARPS):
                 acc.store(acc.load() + warp_sums[None, column, w].load())
-            cute.copy(atom, acc, vector(m_out, v))
+            result = cute.make_rmem_tensor((VECTOR,), m_out.element_type)
+            result.store(acc.load().to(m_out.element_type))  # the one rounding of a bf16 out
+            cute.copy(wide_copy(m_out.element_type), result, vector(m_out, v))
 
 
 class ColumnSumsInWarps:

@@ -1,9 +1,10 @@
 """L1/087 embedding lookup + RMSNorm backward: the norm backward and a deterministic
 scatter-add of dx into the [V, H] bf16 embedding-gradient table, one FFI call.
 
-    dx_t = rstd_t * (g_t * weight - x_t * rstd_t^2 * sum_j(g_tj weight_j x_tj) / H)
+    w = f32(norm_weight)   (norm_weight bf16 as the contract has it, or fp32)
+    dx_t = rstd_t * (g_t * w - x_t * rstd_t^2 * sum_j(g_tj w_j x_tj) / H)
     table[v] = bf16( [table[v] +] sum over tokens t with id v of dx_t )   (fp32 sum, one rounding)
-    grad_weight = sum over tokens of g_t * x_t * rstd_t
+    grad_norm_weight = sum over tokens of g_t * x_t * rstd_t   (fp32 sum, one rounding to norm_weight's dtype)
 
 Index pass: a stable sort of the ids gives the tokens grouped by id, each group in token
 order, which fixes the order of every fp32 sum: bitwise repeatable. Up to
@@ -13,8 +14,8 @@ SORT_ON_CHIP_MAX_TOKENS tokens every row-kernel CTA sorts the raw ids in its sha
 Id check: out-of-range ids raise and nothing is written, so the host waits for a verdict once
 a call, after queueing the launches except on the aminmax path (tools/reports/087-notes.md):
 - ids sorted on chip: every kernel reads the sorted ends and, with an id outside [0, vocab),
-  writes neither the table nor grad_weight; the row kernel's CTA 0 leaves that verdict in a
-  status word, read back once the launches are done;
+  writes neither the table nor grad_norm_weight; the row kernel's CTA 0 leaves that verdict in
+  a status word, read back once the launches are done;
 - larger calls: up to id_radix.MAX_TOKENS tokens (vocabularies up to 65536 ids)
   our own stable radix sort (id_radix: three kernels, one FFI call) also writes each chunk's
   id range, which goes to pinned memory, and writes -1 as the first sorted id when a range is
@@ -37,8 +38,13 @@ ends: read-add-round with accumulate, plain round without. A segment cut by a ra
 leaves fp32 partial rows instead (the tail of the range where it starts, the head of every
 later range it covers); `SegmentFixup` then adds those partials in range order and writes the
 row once. So one id shared by every token (the worst case) spreads over all CTAs like random
-ids do, and its partials are summed by many CTAs, split over columns. grad_weight: per-CTA
-fp32 partials and the fixed-order `ColumnSum`, no float atomics anywhere.
+ids do, and its partials are summed by many CTAs, split over columns. grad_norm_weight: per-CTA
+fp32 partials and the fixed-order `ColumnSum`, which rounds the fp32 sum once as it stores a
+bf16 grad_norm_weight; no float atomics anywhere.
+
+norm_weight's dtype (bf16 or fp32) is a compile-time fact of each build: the row kernel reads
+it as it is (8- or 16-byte vectors) and computes in fp32, and grad_norm_weight takes the same
+dtype.
 """
 from __future__ import annotations
 
@@ -80,41 +86,41 @@ class EmbeddingRmsNormBackward:
 
     @cute.jit
     def __call__(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
-                 weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
-                 grad_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
+                 norm_weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
+                 grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
         """The ids sorted beforehand (int32 sorted ids and their int64 order)."""
-        self.launch(grad_output, hidden_states, rstd, weight, sorted_ids, order, None, table, grad_weight,
+        self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, table, grad_norm_weight,
                     workspace, ctas, stream)
 
     @cute.jit
     def sort_on_chip(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
-                     weight: cute.Tensor, ids: cute.Tensor, sorted_ids: cute.Tensor, table: cute.Tensor,
-                     grad_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
+                     norm_weight: cute.Tensor, ids: cute.Tensor, sorted_ids: cute.Tensor, table: cute.Tensor,
+                     grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
         """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32), each row-kernel
         CTA sorting them itself; CTA 0 leaves the sorted ids in `sorted_ids` (int32, at least
         as long) for the fix-up."""
         published = cute.make_tensor(sorted_ids.iterator, cute.make_layout(cute.size(ids)))
-        self.launch(grad_output, hidden_states, rstd, weight, published, None, ids, table, grad_weight,
+        self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, table, grad_norm_weight,
                     workspace, ctas, stream)
 
     @cute.jit
     def zeroing_untouched(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
-                          weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, touched: cute.Tensor,
-                          table: cute.Tensor, grad_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32,
-                          stream: cuda.CUstream):
+                          norm_weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor,
+                          touched: cute.Tensor, table: cute.Tensor, grad_norm_weight: cute.Tensor,
+                          workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
         """A fresh table on the radix path, not zero-filled beforehand: `touched` is the sort's
         bitmap of the ids present (id_radix), and each CTA zeroes its share of the rows no token
         touches, so every row is written once."""
         assert not self.accumulate, "only a fresh table is zeroed"
-        self.launch(grad_output, hidden_states, rstd, weight, sorted_ids, order, None, table, grad_weight,
-                    workspace, ctas, stream, touched)
+        self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, table,
+                    grad_norm_weight, workspace, ctas, stream, touched)
 
     @cute.jit
-    def launch(self, grad_output, hidden_states, rstd, weight, sorted_ids, order, ids, table, grad_weight,
-               workspace, ctas, stream, touched=None):
-        """workspace rows: [0, ctas) grad_weight partials; ctas + 2c and ctas + 2c + 1 the head
-        and tail segment partials of range c; the last row's first element the id status (1.0:
-        an id out of range, nothing written)."""
+    def launch(self, grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, ids, table,
+               grad_norm_weight, workspace, ctas, stream, touched=None):
+        """workspace rows: [0, ctas) grad_norm_weight partials (fp32 whatever its dtype); ctas + 2c
+        and ctas + 2c + 1 the head and tail segment partials of range c; the last row's first
+        element the id status (1.0: an id out of range, nothing written)."""
         h = self.hidden
         row_stride = cute.assume(workspace.stride[0], divby=VECTOR)
         partials = cute.make_tensor(workspace.iterator, cute.make_layout((ctas, h), stride=(row_stride, 1)))
@@ -123,11 +129,11 @@ class EmbeddingRmsNormBackward:
         status = cute.make_tensor(workspace.iterator + (workspace.shape[0] - 1) * row_stride, cute.make_layout(1))
         # A programmatic dependent of whatever ran before it (the radix sort's last pass): it
         # waits on griddepcontrol before reading anything but its inputs.
-        self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], weight,
+        self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
                     sorted_ids, order, table, partials, carries, status, ids, touched).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
         self.fixup(sorted_ids, table, carries, ctas, stream, ids_ready=ids is None)
-        self.column_sum(partials, grad_weight, stream, skip=status)
+        self.column_sum(partials, grad_norm_weight, stream, skip=status)  # fp32 sum, stored in its dtype
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
@@ -141,19 +147,19 @@ class EmbeddingRmsNormBackward:
         vectors = h // VECTOR
         smem = cutlass.memory.SmemAllocator()
         loads = (wide_copy(BFloat16), wide_copy(Float32))
-        weight, grad_weight, g, xs, segment, old = (cute.make_rmem_tensor((VECTOR, vpt), Float32)
-                                                     for _ in range(6))
-        for t in (weight, grad_weight, g, xs, segment, old):
+        norm_weight, grad_norm_weight, g, xs, segment, old = (cute.make_rmem_tensor((VECTOR, vpt), Float32)
+                                                               for _ in range(6))
+        for t in (norm_weight, grad_norm_weight, g, xs, segment, old):
             t.fill(0.0)
         if cutlass.const_expr(m_ids is not None):
             # The index pass on chip: from here on the sorted ids and their order are shared
             # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up.
             cute.arch.griddepcontrol_wait()  # as before PDL: CTA 0 publishes where the last call's fix-up read
-            read_row(loads, (m_w,), (weight,), tidx, threads, vpt, vectors)
+            read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)
             in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, bidx == 0, tidx,
                                                    threads)
         else:
-            read_row(loads, (m_w,), (weight,), tidx, threads, vpt, vectors)  # an input: before the wait
+            read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)  # an input: before the wait
             cute.arch.griddepcontrol_wait()  # the sorted ids and order are complete past this point
             in_range = ids_in_range(m_sorted, m_table.shape[0])
         tokens = cute.size(m_sorted)
@@ -205,11 +211,11 @@ class EmbeddingRmsNormBackward:
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
                 gk, xk = g[None, k].load(), xs[None, k].load()
-                grad_weight[None, k].store(grad_weight[None, k].load() + gk * (xk * rstd))
-                dot += (gk * weight[None, k].load() * xk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                grad_norm_weight[None, k].store(grad_norm_weight[None, k].load() + gk * (xk * rstd))
+                dot += (gk * norm_weight[None, k].load() * xk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             scale = rstd * rstd * row_sum(dot, warp_sums, (p - lo) % 2, lane, warp, self.warps) * (1.0 / h)
             for k in cutlass.range_constexpr(vpt):
-                dx = rstd * (g[None, k].load() * weight[None, k].load() - xs[None, k].load() * scale)
+                dx = rstd * (g[None, k].load() * norm_weight[None, k].load() - xs[None, k].load() * scale)
                 segment[None, k].store(segment[None, k].load() + dx)
             ends = _segment_ends(m_sorted, p)
             if ends == 1:
@@ -234,7 +240,7 @@ class EmbeddingRmsNormBackward:
         if hi < tokens and hi > lo:
             if m_sorted[hi] == m_sorted[hi - 1]:
                 store_row(loads[1], segment, m_carry[2 * bidx + 1 - head, None], tidx, threads, vpt, vectors)
-        store_row(loads[1], grad_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
+        store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -292,14 +298,16 @@ def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tid
         store_row(atom, segment, row, tidx, threads, vpt, vectors)
 
 
-def _fake_args(hidden: int, ids_dtype=None):
+def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None):
     """Compile-time stand-ins. batch/seq shared by the [b, s, ...] tensors, tokens by the
     sorted ids and their order (or, with `ids_dtype`, by the raw ids; the sorted-ids buffer is
-    then any length), vocabulary and workspace rows free; H static."""
+    then any length), vocabulary and workspace rows free; H static. norm_weight and
+    grad_norm_weight in `norm_weight_dtype` (BFloat16 or Float32), vector aligned."""
     batch, seq, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     vocab, workspace_rows = cute.sym_int32(), cute.sym_int32()
     rstd = fake_rstd(batch, seq)
-    weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
+    norm_weight, grad_norm_weight = (runtime.fake_tensor(norm_weight_dtype, (hidden,), (1,),
+                                                         VECTOR * norm_weight_dtype.width // 8) for _ in range(2))
     sorted_ids = runtime.fake_tensor(Int32, (tokens if ids_dtype is None else cute.sym_int32(),), (1,), 4)
     if ids_dtype is None:
         ids_or_order = (sorted_ids, runtime.fake_tensor(Int64, (tokens,), (1,), 8))
@@ -307,27 +315,29 @@ def _fake_args(hidden: int, ids_dtype=None):
         ids_or_order = (runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8), sorted_ids)
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
-    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, weight,
-            *ids_or_order, table, weight, workspace, Int32(1))
+    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, norm_weight,
+            *ids_or_order, table, grad_norm_weight, workspace, Int32(1))
 
 
-def _build(hidden: int, accumulate: bool, arch: str, dump_dir=None, ids_dtype=None, touched: bool = False):
-    """Without `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's
-    id dtype (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `touched`
-    (a fresh table, ids sorted beforehand): the row kernel also zeroes the rows the radix
-    sort's bitmap leaves clear."""
+def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir=None, ids_dtype=None,
+           touched: bool = False):
+    """`norm_weight_dtype` (BFloat16 or Float32): norm_weight's and grad_norm_weight's. Without
+    `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's id dtype
+    (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `touched` (a fresh
+    table, ids sorted beforehand): the row kernel also zeroes the rows the radix sort's bitmap
+    leaves clear."""
     op = EmbeddingRmsNormBackward(hidden, accumulate)
-    args = list(_fake_args(hidden, ids_dtype))
+    args = list(_fake_args(hidden, norm_weight_dtype, ids_dtype))
     entry = op if ids_dtype is None else op.sort_on_chip
     if touched:
         entry = op.zeroing_untouched
         args.insert(6, runtime.fake_tensor(Int32, (id_radix.TOUCHED_WORDS,), (1,), 16))
     return runtime.compile_kernel(
-        ("embedding_rmsnorm_backward", hidden, accumulate, str(ids_dtype), touched), entry, *args,
-        runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+        ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype), touched),
+        entry, *args, runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
-def _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size):
+def _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size):
     import torch
 
     from .checks import check_hidden_size, check_row_strides, check_same_device, check_tensor
@@ -341,9 +351,10 @@ def _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_siz
     for name, t in (("grad_output", grad_output), ("hidden_states", hidden_states)):
         check_row_strides(name, t, VECTOR)
     check_tensor("rstd", rstd, dtypes=torch.float32, shape=(batch, seq, 1), contiguous=False, align=4)
-    check_tensor("weight", weight, dtypes=torch.float32, shape=(hidden,))
+    check_tensor("norm_weight", norm_weight, dtypes=(torch.bfloat16, torch.float32), shape=(hidden,),
+                 align=_vector_bytes(norm_weight))
     check_same_device(grad_output=grad_output, input_ids=input_ids, hidden_states=hidden_states, rstd=rstd,
-                      weight=weight)
+                      norm_weight=norm_weight)
     if not isinstance(vocab_size, int) or not 0 < vocab_size < 2**31:
         raise ValueError(f"vocab_size: expected a positive int below 2^31, got {vocab_size!r}")
     if batch * seq >= 2**31:
@@ -351,43 +362,56 @@ def _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_siz
     return batch, seq, hidden
 
 
-def _check_out(out, hidden_states, vocab_size):
+def _check_out(out, hidden_states, norm_weight, vocab_size):
+    """out = (grad_embed_weight, grad_norm_weight), the latter in norm_weight's dtype
+    (norm_weight's own checks come first: _check_inputs, or an entry key made after them)."""
     import torch
 
     from .checks import check_same_device, check_tensor
 
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError("out: expected (grad_embedding, grad_weight)")
+        raise TypeError("out: expected (grad_embed_weight, grad_norm_weight)")
     hidden = hidden_states.shape[-1]
-    check_tensor("out[grad_embedding]", out[0], dtypes=torch.bfloat16, shape=(vocab_size, hidden), align=8)
-    check_tensor("out[grad_weight]", out[1], dtypes=torch.float32, shape=(hidden,))
-    check_same_device(hidden_states=hidden_states, grad_embedding=out[0], grad_weight=out[1])
+    check_tensor("out[grad_embed_weight]", out[0], dtypes=torch.bfloat16, shape=(vocab_size, hidden), align=8)
+    check_tensor("out[grad_norm_weight]", out[1], dtypes=norm_weight.dtype, shape=(hidden,),
+                 align=_vector_bytes(norm_weight))
+    check_same_device(hidden_states=hidden_states, grad_embed_weight=out[0], grad_norm_weight=out[1])
     return tuple(out)
 
 
-class _Entry:
-    """What one (hidden size, accumulate, ids dtype, device) needs per call, resolved once. Each
-    path's kernels are built on the path's first call (a call size uses two or three of the
-    six builds)."""
+def _vector_bytes(norm_weight) -> int:
+    """The alignment the kernels' vector accesses of norm_weight and grad_norm_weight need:
+    VECTOR elements, 8 bytes in bf16, 16 in fp32 (and anything else, which fails the dtype check)."""
+    import torch
 
-    def __init__(self, hidden: int, accumulate: bool, ids_dtype, device):
+    return VECTOR * (2 if getattr(norm_weight, "dtype", None) == torch.bfloat16 else 4)
+
+
+class _Entry:
+    """What one (hidden size, accumulate, ids dtype, norm_weight dtype, device) needs per call,
+    resolved once. Each path's kernels are built on the path's first call (a call size uses two
+    or three of the six builds)."""
+
+    def __init__(self, hidden: int, accumulate: bool, ids_dtype, norm_weight_dtype, device):
         import torch
 
         self.device, self.hidden, self.accumulate = device, hidden, accumulate
+        self.norm_weight = BFloat16 if norm_weight_dtype == torch.bfloat16 else Float32
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self.arch = runtime.device_arch(device.index)
         self.ids = Int64 if ids_dtype == torch.int64 else Int32
         self.index = id_radix.Workspace(device)
-        # grad_weight partials, two segment partials per range, the id status
+        # grad_norm_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)
 
     @functools.cached_property
     def run(self):
-        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.arch))
+        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.norm_weight, self.arch))
 
     @functools.cached_property
     def run_sort_on_chip(self):
-        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.arch, ids_dtype=self.ids))
+        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.norm_weight, self.arch,
+                                           ids_dtype=self.ids))
 
     @functools.cached_property
     def run_range_and_keys(self):
@@ -404,7 +428,7 @@ class _Entry:
     @functools.cached_property
     def run_zeroing_untouched(self):
         """Fresh tables on the radix path: the row kernel zeroes the untouched rows itself."""
-        return runtime.ffi_function(_build(self.hidden, False, self.arch, touched=True))
+        return runtime.ffi_function(_build(self.hidden, False, self.norm_weight, self.arch, touched=True))
 
 
 class _Workspace(runtime.StreamWorkspace):
@@ -441,20 +465,22 @@ def _raise_if_out_of_cta_ranges(index, count, vocab_size):
 _entries: dict = {}
 
 
-def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weight, *, vocab_size=65536,
+def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm_weight, *, vocab_size=65536,
                                out=None, accumulate=False):
-    """L1/087: -> (grad_embedding [vocab_size, H] bf16, grad_weight [H] fp32), as semantics.md says.
+    """L1/087: -> (grad_embed_weight [vocab_size, H] bf16, grad_norm_weight [H]), as semantics.md
+    says; grad_norm_weight is bf16 for a bf16 norm_weight (the contract's), fp32 for an fp32 one.
 
     grad_output bf16 and hidden_states fp32 [b, s, H] (any batch/seq strides that are multiples
     of 4 elements, contiguous last dim); input_ids int64 or int32 [b, s] (the kernels read
     them flat: ids whose [b, s] view is not one flat run are copied first, T ids, one small
-    PyTorch copy); rstd fp32 [b, s, 1]; weight fp32 [H]; H a multiple of 8 up to 16384.
+    PyTorch copy); rstd fp32 [b, s, 1]; norm_weight bf16 or fp32 [H]; H a multiple of 8 up to
+    16384. grad_norm_weight is summed in fp32 and rounded once to norm_weight's dtype.
     - Without `out`: the table is allocated and zero-filled (a memset), then the touched
       rows are written; on the radix path (below) the row kernel writes every row once
       instead: the touched rows their sums, the others zeros.
-    - `out=(grad_embedding, grad_weight)`: written in place; the table is zero-filled the same
-      way unless `accumulate=True`, which adds this step's rows into it, reading and writing
-      only the touched rows.
+    - `out=(grad_embed_weight, grad_norm_weight)`: written in place, grad_norm_weight in
+      norm_weight's dtype; the table is zero-filled the same way unless `accumulate=True`,
+      which adds this step's rows into it, reading and writing only the touched rows.
     Repeated ids are summed in fp32 in token order and each touched row is rounded to bf16
     once: bitwise repeatable. Ids outside [0, vocab_size) raise ValueError and nothing is
     written.
@@ -468,17 +494,18 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     import torch
 
     if accumulate and out is None:
-        raise ValueError("accumulate=True adds into an existing table: pass out=(grad_embedding, grad_weight)")
+        raise ValueError("accumulate=True adds into an existing table: pass out=(grad_embed_weight, grad_norm_weight)")
     try:
         batch, seq, hidden = grad_output.shape
-        key = (hidden, bool(accumulate), input_ids.dtype, grad_output.get_device())
+        key = (hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype, grad_output.get_device())
         entry = _entries[key]
     except (AttributeError, TypeError, ValueError, KeyError):
-        _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
+        _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)
         batch, seq, hidden = grad_output.shape
         device = grad_output.device
-        key = (hidden, bool(accumulate), input_ids.dtype, device.index)
-        entry = _entries.setdefault(key, _Entry(hidden, bool(accumulate), input_ids.dtype, device))
+        key = (hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype, device.index)
+        entry = _entries.setdefault(key, _Entry(hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype,
+                                                device))
     tokens = batch * seq
     on_chip = tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB
     # Above the on-chip sort our radix sort, not PyTorch's: 2048 tokens took 115 us a call with
@@ -491,20 +518,20 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     if out is None:
         table = torch.empty((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device)
         out = (table if zeroes_untouched else runtime.zero_fill(table),
-               torch.empty(hidden, dtype=torch.float32, device=entry.device))
+               torch.empty(hidden, dtype=norm_weight.dtype, device=entry.device))
     elif not (accumulate and type(out) is tuple and len(out) == 2 and isinstance(out[0], torch.Tensor)
               and out[0].shape[:1] == (vocab_size,)):
         # An accumulate call writes nothing before the FFI call, which checks dtypes, shapes,
         # strides, alignment and device itself (the table's row count is ours to check): there
         # the Python checks run only to explain a rejected call.
-        out = _check_out(out, hidden_states, vocab_size)
-    table, grad_weight = out
+        out = _check_out(out, hidden_states, norm_weight, vocab_size)
+    table, grad_norm_weight = out
     if tokens == 0 or tokens >= 2**31:
-        _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
-        _check_out(out, hidden_states, vocab_size)
+        _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)
+        _check_out(out, hidden_states, norm_weight, vocab_size)
         if not accumulate:
             table.zero_()
-        grad_weight.zero_()
+        grad_norm_weight.zero_()
         return out
     ids = input_ids.reshape(tokens)
     range_after = False  # the host reads the ids' range from pinned memory after the launches
@@ -559,18 +586,19 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
         runtime.zero_fill(table)
     try:
         if on_chip:
-            entry.run_sort_on_chip(grad_output, hidden_states, rstd, weight, ids, sorted_on_chip, table, grad_weight,
-                                   workspace, min(tokens, entry.max_ctas))
+            entry.run_sort_on_chip(grad_output, hidden_states, rstd, norm_weight, ids, sorted_on_chip, table,
+                                   grad_norm_weight, workspace, min(tokens, entry.max_ctas))
         elif zeroes_untouched:
-            entry.run_zeroing_untouched(grad_output, hidden_states, rstd, weight, sorted_ids, order, index.touched,
-                                        table, grad_weight, workspace, min(tokens, entry.max_ctas))
+            entry.run_zeroing_untouched(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order,
+                                        index.touched, table, grad_norm_weight, workspace,
+                                        min(tokens, entry.max_ctas))
         else:
-            entry.run(grad_output, hidden_states, rstd, weight, sorted_ids, order, table, grad_weight,
+            entry.run(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
                       workspace, min(tokens, entry.max_ctas))
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
-        _check_inputs(grad_output, input_ids, hidden_states, rstd, weight, vocab_size)
-        _check_out(out, hidden_states, vocab_size)
+        _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)
+        _check_out(out, hidden_states, norm_weight, vocab_size)
         raise
     if range_after:
         _raise_if_out_of_cta_ranges(index, range_count, vocab_size)
@@ -580,15 +608,23 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weig
     return out
 
 
-AUDIT_BUILDS = {
-    f"embedding_rmsnorm_backward[H=4096,{'accumulate' if acc else 'fresh'}]":
-        (lambda arch, dump_dir, acc=acc: _build(4096, acc, arch, dump_dir))
-    for acc in (False, True)
+# The benchmark's calls (bf16 norm_weight, a fresh table: ids sorted on chip up to
+# SORT_ON_CHIP_MAX_TOKENS tokens, the radix path's zeroing build above), the other paths with a
+# bf16 norm_weight, and an fp32 norm_weight (fp32 grad_norm_weight).
+_AUDITED = {  # name: (norm_weight dtype, accumulate, other build options)
+    "norm_weight bf16,fresh,ids sorted on chip": (BFloat16, False, {"ids_dtype": Int64}),
+    "norm_weight bf16,fresh,zeroes untouched rows": (BFloat16, False, {"touched": True}),
+    "norm_weight bf16,fresh": (BFloat16, False, {}),
+    "norm_weight bf16,accumulate": (BFloat16, True, {}),
+    "norm_weight bf16,accumulate,ids sorted on chip": (BFloat16, True, {"ids_dtype": Int64}),
+    "norm_weight fp32,fresh": (Float32, False, {}),
 }
-AUDIT_BUILDS["embedding_rmsnorm_backward[H=4096,accumulate,ids sorted on chip]"] = \
-    lambda arch, dump_dir: _build(4096, True, arch, dump_dir, ids_dtype=Int64)
-AUDIT_BUILDS["embedding_rmsnorm_backward[H=4096,fresh,zeroes untouched rows]"] = \
-    lambda arch, dump_dir: _build(4096, False, arch, dump_dir, touched=True)
-# 128-bit loads of hidden_states, weight and the partials; no spills; no atomics (every sum
-# has a fixed order).
+AUDIT_BUILDS = {
+    f"embedding_rmsnorm_backward[H=4096,{name}]":
+        (lambda arch, dump_dir, dtype=dtype, acc=acc, options=options:
+         _build(4096, acc, dtype, arch, dump_dir, **options))
+    for name, (dtype, acc, options) in _AUDITED.items()
+}
+# 128-bit loads of the fp32 rows (the partials, an fp32 norm_weight, hidden_states where no ring
+# holds them); no spills; no atomics (every sum has a fixed order).
 AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}

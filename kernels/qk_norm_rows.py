@@ -1,8 +1,12 @@
 """The Q/K norm backward rows of L1/051 (Gemma3 RMSNorm with scale 1 + w), as the prologue of
-051's summed product:
+051's summed product, per (token, head) row of head dim d:
 
-    dq = bf16(rms_dx(grad_query * (1 + q_norm_weight), query_transposed, q_rstd))   per head row
-    grad_q_norm_weight = sum over rows of fp32(grad_query) * q_normed                (k likewise)
+    g  = fp32(grad_query);  n = fp32(q_normed)
+    gn = fp32(bf16(g * (1 + q_norm_weight)))                     (rounded as the contract does)
+    dq = bf16(q_rstd * (gn - n * sum_d(gn * n) / d))
+    grad_q_norm_weight = sum over rows of g * n                  (k likewise)
+
+The pre-norm input is not read: the normed row and rstd say all the gradient needs.
 
 Work split: one warp per (token, head) row; a lane holds 16-byte vectors of 8 bf16 (d = 256:
 one per lane), so the row's dot product is one warp reduction. Warps walk the q rows then the
@@ -11,11 +15,12 @@ of grad * normed for its lanes' columns, and the CTA adds its warps in warp orde
 partial row per CTA (q then k). The caller adds the partial rows in a fixed order
 (`column_sum.ColumnSumsInWarps`): bitwise repeatable norm-weight gradients, no float atomics.
 
-How a warp keeps loads in flight: a ring of RING_SLOTS rows in shared memory filled by cp.async
-where the scratch holds at least two slots (every tiling 051 picks up to d = 512), else IN_FLIGHT
-rows in registers (d = 1024 at 384 threads). Session 27 on the H200 (graph replay, one process, parity first), the rows alone on
-one 384-thread CTA an SM at T = 4096 / 8192, and the op at 1x4096 / 1x8192 / 16x541:
-- four rows in registers, q rows head-major (session 15-26): 13.7 / 28.3 us; 49.6 / 88.4 / 94.2;
+How a warp keeps loads in flight: a ring of up to RING_SLOTS rows (grad and normed, bf16) in
+shared memory filled by cp.async where the scratch holds at least two slots, else IN_FLIGHT
+rows in registers. Measured on the H200 (graph replay, one process, parity first) while the
+rows still read three tensors (the pre-norm input too): the rows alone on one 384-thread CTA an
+SM at T = 4096 / 8192, and the op at 1x4096 / 1x8192 / 16x541:
+- four rows in registers, q rows head-major: 13.7 / 28.3 us; 49.6 / 88.4 / 94.2;
 - the same with the row coordinate from one FastDivmod: 13.2 / 27.5; 48.1 / 86.5 / 92.5;
 - ring of 3, head-major: 13.5 / 26.2; 48.0 / 85.5 / 91.4;
 - ring of 3, q rows token-major (kept): 13.0 / 24.6; 47.5 / 83.7 / 90.0 (copy of the bytes: 22.7);
@@ -31,7 +36,8 @@ from cutlass import BFloat16, Float32, Int32
 
 VECTOR = 8  # bf16 elements per 16-byte access
 MAX_HEAD_DIM = 1024
-RING_SLOTS = 3  # rows a warp stages in shared memory
+RING_SLOTS = 3  # rows a warp stages in shared memory at most: rings of 4 and 6 measured slower
+STAGED = 2  # bf16 tensors a row stages: grad and normed
 IN_FLIGHT = 4  # rows a warp keeps in registers where the ring does not fit
 
 
@@ -70,7 +76,6 @@ def row_coord(r, heads: int, *, by_seq):
 class Side(NamedTuple):
     """What the rows of q (or of k) read and write, and how their flat row maps to (s, head, b)."""
     grad: object
-    pre: object
     rstd: object
     normed: object
     out: object
@@ -114,27 +119,24 @@ class QkNormBackward:
         return 4 * self.head_dim * (threads // 32)
 
     def ring_slots(self, threads: int, capacity: int) -> int:
-        """Rows a warp stages in `capacity` bytes of scratch (grad, pre-norm and normed, bf16);
-        under 2 the ring would not overlap anything and the rows stay in registers."""
-        slot = 2 * VECTOR * 32 * self.vectors_per_lane * 3 * (threads // 32)
+        """Rows a warp stages in `capacity` bytes of scratch (grad and normed, bf16); under 2
+        the ring would not overlap anything and the rows stay in registers."""
+        slot = 2 * VECTOR * 32 * self.vectors_per_lane * STAGED * (threads // 32)
         return min(RING_SLOTS, capacity // slot)
 
-    def arguments(self, grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k, normed_k, weight_k,
-                  dk, cta_rows):
+    def arguments(self, grad_q, rstd_q, normed_q, weight_q, dq, grad_k, rstd_k, normed_k, weight_k, dk, cta_rows):
         """`run`'s arguments: per-head [b, heads, s, d] tensors as rows, dq/dk [b, s, heads, d]
         as rows in the same order, the partial rows [ctas, 2d]."""
-        return ((head_rows(grad_q), head_rows(pre_q), head_rows(rstd_q), head_rows(normed_q), weight_q,
-                 token_rows(dq)),
-                (head_rows(grad_k), head_rows(pre_k), head_rows(rstd_k), head_rows(normed_k), weight_k,
-                 token_rows(dk)), cta_rows)
+        return ((head_rows(grad_q), head_rows(rstd_q), head_rows(normed_q), weight_q, token_rows(dq)),
+                (head_rows(grad_k), head_rows(rstd_k), head_rows(normed_k), weight_k, token_rows(dk)), cta_rows)
 
     @cute.jit
     def run(self, args, scratch, capacity: int, tidx, threads: int):
         """This CTA's share of the rows, then its partial row. scratch: `capacity` bytes of
         shared memory (at least `scratch_bytes(threads)`), free for the call."""
         q, k, m_part = args
-        g_q, x_q, r_q, n_q, w_q, o_q = q
-        g_k, x_k, r_k, n_k, w_k, o_k = k
+        g_q, r_q, n_q, w_q, o_q = q
+        g_k, r_k, n_k, w_k, o_k = k
         warps = threads // 32
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -151,8 +153,8 @@ class QkNormBackward:
         heads = cute.size(g_q.shape[0][1])
         by_seq = cute.fast_divmod_create_divisor_v2(g_q.shape[0][0])
         # the rows' tensors and coordinates, q then k: row r of q is (q, r), of k (k, r - rows_q)
-        sides = (Side(g_q, x_q, r_q, n_q, o_q, scale_q, sums_q, heads),
-                 Side(g_k, x_k, r_k, n_k, o_k, scale_k, sums_k, 1))
+        sides = (Side(g_q, r_q, n_q, o_q, scale_q, sums_q, heads),
+                 Side(g_k, r_k, n_k, o_k, scale_k, sums_k, 1))
         first, stride = bidx * warps + warp, ctas * warps
         ring_slots = self.ring_slots(threads, capacity)
         if cutlass.const_expr(ring_slots >= 2):
@@ -180,7 +182,7 @@ class QkNormBackward:
             for i in cutlass.range_constexpr(flight):
                 r = batch + i * stride
                 on_side(r, rows_q, rows_q + rows_k, sides, lambda side, row, i=i: self.load(
-                    atom, side.grad, side.pre, side.rstd, side.normed, self.hold(at, i, side.coord(row, by_seq)), lane,
+                    atom, side.grad, side.rstd, side.normed, self.hold(at, i, side.coord(row, by_seq)), lane,
                     *slots, i))
             for i in cutlass.range_constexpr(flight):
                 r = batch + i * stride
@@ -197,7 +199,7 @@ class QkNormBackward:
         lane's own (cp.async groups) and no warp barrier is needed."""
         vpl = self.vectors_per_lane
         ring = cute.make_tensor(cute.recast_ptr(scratch, dtype=BFloat16),
-                                cute.make_layout((VECTOR, 32, vpl, 3, ring_slots, warps)))
+                                cute.make_layout((VECTOR, 32, vpl, STAGED, ring_slots, warps)))
         fill = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=16 * 8)
         slots = self.row_slots(1)
         rstd = cute.make_rmem_tensor((ring_slots,), Float32)
@@ -231,25 +233,24 @@ class QkNormBackward:
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             v = lane + 32 * j
             if v < self.vectors:
-                for t, tensor in enumerate((side.grad, side.pre, side.normed)):
+                for t, tensor in enumerate((side.grad, side.normed)):
                     cute.copy(fill, vector(tensor[coord, None], v), ring[None, lane, j, t, slot, warp])
 
     @cute.jit
     def finish_staged(self, atom, side, ring, rstd, at, slots, slot: int, lane, warp):
         """The row in ring slot `slot`: its vectors back into registers, then `finish`."""
-        grad, pre, normed, row_rstd = slots
+        grad, normed, row_rstd = slots
         for v in cutlass.range_constexpr(self.vectors_per_lane):
             grad[None, v, 0].store(ring[None, lane, v, 0, slot, warp].load())
-            pre[None, v, 0].store(ring[None, lane, v, 1, slot, warp].load())
-            normed[None, v, 0].store(ring[None, lane, v, 2, slot, warp].load())
+            normed[None, v, 0].store(ring[None, lane, v, 1, slot, warp].load())
         row_rstd[0] = rstd[slot]
         self.finish(atom, side.out, side.scale, side.sums, (at[0, slot], at[1, slot], at[2, slot]), lane, *slots, 0)
 
     def row_slots(self, flight: int):
-        """Registers for `flight` rows: grad, pre-norm and normed as loaded (bf16), and rstd."""
+        """Registers for `flight` rows: grad and normed as loaded (bf16), and rstd."""
         shape = (VECTOR, self.vectors_per_lane, flight)
         return (cute.make_rmem_tensor(shape, BFloat16), cute.make_rmem_tensor(shape, BFloat16),
-                cute.make_rmem_tensor(shape, BFloat16), cute.make_rmem_tensor((flight,), Float32))
+                cute.make_rmem_tensor((flight,), Float32))
 
     @staticmethod
     def hold(at, i: int, coord):
@@ -270,37 +271,42 @@ class QkNormBackward:
         return scale
 
     @cute.jit
-    def load(self, atom, m_grad, m_pre, m_rstd, m_normed, r, lane, grad, pre, normed, rstd, i):
+    def load(self, atom, m_grad, m_rstd, m_normed, r, lane, grad, normed, rstd, i):
         """The loads of head row r (a `row_coord`) into in-flight slot i."""
         rstd[i] = m_rstd[r, 0]
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             v = lane + 32 * j
             if v < self.vectors:
                 cute.copy(atom, vector(m_grad[r, None], v), grad[None, j, i])
-                cute.copy(atom, vector(m_pre[r, None], v), pre[None, j, i])
                 cute.copy(atom, vector(m_normed[r, None], v), normed[None, j, i])
 
     @cute.jit
-    def finish(self, atom, m_out, scale, sums, r, lane, grad, pre, normed, rstd, i):
-        """Head row r (a `row_coord`) from slot i: out = bf16(rstd * gn - x * rstd^3 * sum(gn * x) / d) with
-        gn = grad * scale; sums += grad * normed."""
+    def finish(self, atom, m_out, scale, sums, r, lane, grad, normed, rstd, i):
+        """Head row r (a `row_coord`) from slot i: out = bf16(rstd * (gn - n * sum(gn * n) / d)) with
+        gn = fp32(bf16(grad * scale)); sums += grad * n."""
         staging = cute.make_rmem_tensor((VECTOR,), BFloat16)
         dot = Float32(0.0)
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             if lane + 32 * j < self.vectors:
                 g = grad[None, j, i].load().to(Float32)
-                sums[None, j].store(sums[None, j].load() + g * normed[None, j, i].load().to(Float32))
-                dot += (g * scale[None, j].load() * pre[None, j, i].load().to(Float32)).reduce(
-                    cute.ReductionOp.ADD, Float32(0.0), 0)
+                n = normed[None, j, i].load().to(Float32)
+                sums[None, j].store(sums[None, j].load() + g * n)
+                dot += (self.scaled(g, scale, j) * n).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
         s = rstd[i]
-        coefficient = s * s * s * dot * (1.0 / self.head_dim)
+        coefficient = dot * (1.0 / self.head_dim)  # mean_d; exact as a product for d a power of two
         for j in cutlass.range_constexpr(self.vectors_per_lane):
             v = lane + 32 * j
             if v < self.vectors:
-                gn = grad[None, j, i].load().to(Float32) * scale[None, j].load()
-                staging.store((gn * s - pre[None, j, i].load().to(Float32) * coefficient).to(BFloat16))
+                gn = self.scaled(grad[None, j, i].load().to(Float32), scale, j)
+                staging.store(((gn - normed[None, j, i].load().to(Float32) * coefficient) * s).to(BFloat16))
                 cute.copy(atom, staging, vector(m_out[r, None], v))
+
+    @staticmethod
+    def scaled(g, scale, j: int):
+        """grad * (1 + norm weight) through bf16: the contract rounds it there, and the dot
+        product and the output must see the same rounded values."""
+        return (g * scale[None, j].load()).to(BFloat16).to(Float32)
 
     @cute.jit
     def partial_row(self, sums, across, m_partial_row, lane, warp, tidx, threads: int):

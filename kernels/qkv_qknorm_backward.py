@@ -84,12 +84,11 @@ class QkvQkNormBackward:
         self.grouped = main_loop.Grouped(grouped, False, False, BFloat16, STORE, pdl=True, **both)
 
     @cute.jit
-    def __call__(self, grad_q: cute.Tensor, pre_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor,
-                 weight_q: cute.Tensor, grad_k: cute.Tensor, pre_k: cute.Tensor, rstd_k: cute.Tensor,
-                 normed_k: cute.Tensor, weight_k: cute.Tensor, grad_v: cute.Tensor, hidden: cute.Tensor,
-                 w_q: cute.Tensor, w_k: cute.Tensor, w_v: cute.Tensor, grad_hidden: cute.Tensor,
-                 grad_w_q: cute.Tensor, grad_w_k: cute.Tensor, grad_w_v: cute.Tensor, grad_weight_q: cute.Tensor,
-                 grad_weight_k: cute.Tensor, dqk: cute.Tensor, norm_partials: cute.Tensor,
+    def __call__(self, grad_q: cute.Tensor, rstd_q: cute.Tensor, normed_q: cute.Tensor, weight_q: cute.Tensor,
+                 grad_k: cute.Tensor, rstd_k: cute.Tensor, normed_k: cute.Tensor, weight_k: cute.Tensor,
+                 grad_v: cute.Tensor, hidden: cute.Tensor, w_q: cute.Tensor, w_k: cute.Tensor, w_v: cute.Tensor,
+                 grad_hidden: cute.Tensor, grad_w_q: cute.Tensor, grad_w_k: cute.Tensor, grad_w_v: cute.Tensor,
+                 grad_weight_q: cute.Tensor, grad_weight_k: cute.Tensor, dqk: cute.Tensor, norm_partials: cute.Tensor,
                  sum_partials: cute.Tensor, sum_flags: cute.Tensor, sum_ctas: Int32, sum_dp_tiles: Int32,
                  sum_per: Int32, group_partials: cute.Tensor, group_flags: cute.Tensor, group_ctas: Int32,
                  group_dp_tiles: Int32, group_per: Int32, arrivals: cute.Tensor, grid: Int32, stream):
@@ -102,8 +101,8 @@ class QkvQkNormBackward:
         dk = cute.make_tensor(dqk.iterator + q_cols,
                               cute.make_layout((batch, seq, 1, d), stride=(seq * row, row, d, 1)))
         partial_rows = rows(norm_partials, grid, 2 * d, 2 * d)  # one per CTA of the summed product
-        prologue = self.norm.arguments(grad_q, pre_q, rstd_q, normed_q, weight_q, dq, grad_k, pre_k, rstd_k,
-                                       normed_k, weight_k, dk, partial_rows)
+        prologue = self.norm.arguments(grad_q, rstd_q, normed_q, weight_q, dq, grad_k, rstd_k, normed_k, weight_k,
+                                       dk, partial_rows)
         rows_q = rows(dqk, tokens, q_cols, row)
         rows_k = rows(dqk, tokens, d, row, first=q_cols)
         rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
@@ -136,7 +135,7 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
 
     def side(heads):
         rstd = runtime.fake_tensor(Float32, (batch, heads, seq, 1), tuple(cute.sym_int64() for _ in range(4)), 4)
-        return per_head(heads), per_head(heads), rstd, per_head(heads), runtime.fake_tensor(BFloat16, (d,), (1,), 16)
+        return per_head(heads), rstd, per_head(heads), runtime.fake_tensor(BFloat16, (d,), (1,), 16)
 
     def activations():  # [b, s, hidden]: contiguous rows, a free batch stride
         return runtime.fake_tensor(BFloat16, (batch, seq, hidden), (cute.sym_int64(divisibility=VECTOR), hidden, 1), 16)
@@ -353,8 +352,9 @@ OUTPUT_NAMES = ("grad_hidden_states", "grad_q_weight", "grad_k_weight", "grad_v_
 
 
 def _check_inputs(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
-                  k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd, q_normed, k_normed):
-    """Shapes, dtypes, devices and the layouts read in place, named in the messages."""
+                  k_norm_weight, q_rstd, k_rstd, q_normed, k_normed):
+    """Shapes, dtypes, devices and the layouts read in place, named in the messages (of the
+    tensors read: not query_transposed / key_transposed)."""
     import torch
 
     from .checks import check_same_device, check_tensor
@@ -372,9 +372,8 @@ def _check_inputs(grad_query, grad_key, grad_value, hidden_states, q_weight, k_w
         raise ValueError(f"grad_query: head_dim must be a positive multiple of {VECTOR} up to {MAX_HEAD_DIM}, "
                          f"got {head_dim}")
     q_rows, kv_rows = (batch, q_heads, seq, head_dim), (batch, kv_heads, seq, head_dim)
-    for name, t, shape in (("grad_query", grad_query, q_rows), ("query_transposed", query_transposed, q_rows),
-                           ("q_normed", q_normed, q_rows), ("grad_key", grad_key, kv_rows),
-                           ("key_transposed", key_transposed, kv_rows), ("k_normed", k_normed, kv_rows)):
+    for name, t, shape in (("grad_query", grad_query, q_rows), ("q_normed", q_normed, q_rows),
+                           ("grad_key", grad_key, kv_rows), ("k_normed", k_normed, kv_rows)):
         check_tensor(name, t, dtypes=torch.bfloat16, shape=shape, contiguous=False)
         if t.stride(3) != 1 or any(t.stride(i) % VECTOR for i in range(3)):
             raise ValueError(f"{name}: needs a contiguous last dimension and other strides that are multiples of "
@@ -397,8 +396,7 @@ def _check_inputs(grad_query, grad_key, grad_value, hidden_states, q_weight, k_w
     check_tensor("k_norm_weight", k_norm_weight, dtypes=torch.bfloat16, shape=(head_dim,))
     check_same_device(grad_query=grad_query, grad_key=grad_key, grad_value=grad_value, hidden_states=hidden_states,
                       q_weight=q_weight, k_weight=k_weight, v_weight=v_weight, q_norm_weight=q_norm_weight,
-                      k_norm_weight=k_norm_weight, query_transposed=query_transposed, key_transposed=key_transposed,
-                      q_rstd=q_rstd, k_rstd=k_rstd, q_normed=q_normed, k_normed=k_normed)
+                      k_norm_weight=k_norm_weight, q_rstd=q_rstd, k_rstd=k_rstd, q_normed=q_normed, k_normed=k_normed)
 
 
 def _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim, norm_grad_like=None):
@@ -433,11 +431,13 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
     grad_q_norm_weight, grad_k_norm_weight), as semantics.md says (rms_norm_eps is already
     inside the given rstd). Per-head tensors [b, heads, s, d] are read in place through their
     strides (unit last stride, others multiples of 8); grad_value is read in place as the
-    [T, d] operand, so one kv head (Gemma-3-270m's) with contiguous rows. out= takes the six
-    outputs. The norm-weight gradients are bitwise repeatable (fixed-order sums); the weight
-    gradients as the GEMM core's split-K is (fixed order). Two launches, one host call."""
+    [T, d] operand, so one kv head (Gemma-3-270m's) with contiguous rows. query_transposed and
+    key_transposed are not read and not checked (contract version 2 takes dq/dk from q_normed /
+    k_normed); they may be None. out= takes the six outputs. The norm-weight gradients are
+    bitwise repeatable (fixed-order sums); the weight gradients as the GEMM core's split-K is
+    (fixed order). Two launches, one host call."""
     inputs = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
-              k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd, q_normed, k_normed)
+              k_norm_weight, q_rstd, k_rstd, q_normed, k_normed)
     try:
         plan = _plans[hidden_states.shape, grad_query.shape[1], grad_query.shape[3], hidden_states.get_device()]
     except (AttributeError, IndexError, TypeError, KeyError):
@@ -459,8 +459,8 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
                          "batch stride must be seq rows")
     partials, arrivals, dqk = plan.entry.scratch.get(plan.dqk_elements)
     try:
-        plan.run(grad_query, query_transposed, q_rstd, q_normed, q_norm_weight, grad_key, key_transposed, k_rstd,
-                 k_normed, k_norm_weight, grad_value, hidden_states, q_weight, k_weight, v_weight, *out, dqk, partials,
+        plan.run(grad_query, q_rstd, q_normed, q_norm_weight, grad_key, k_rstd, k_normed, k_norm_weight, grad_value,
+                 hidden_states, q_weight, k_weight, v_weight, *out, dqk, partials,
                  *(plan.summed.fixed_args or (*plan.summed.workspace.get(), *plan.summed.schedule)),
                  *(plan.grouped.fixed_args or (*plan.grouped.workspace.get(), *plan.grouped.schedule)),
                  arrivals, plan.grid)

@@ -1,9 +1,13 @@
 """L1/013 fused residual RMSNorm backward, one pass over the rows.
 
-    gn = fp32(grad_output) * weight
-    dx = rstd * (gn - x * rstd^2 * sum_j(gn_j x_j) / H)
+    g = fp32(grad_output);  gn = g * weight
+    dx = rstd * (gn - normalized * sum_j(gn_j normalized_j) / H)
     grad_hidden_states = grad_residual = bf16(dx)
-    grad_weight = sum over rows of fp32(grad_output) * normalized   (normalized = x * rstd if not given)
+    grad_weight = sum over rows of g * normalized
+
+With normalized given, x is not read. With normalized=None the kernel reads x instead,
+normalized = x * rstd, and dx = rstd * (gn - x * rstd^2 * sum_j(gn_j x_j) / H), the same value.
+Either way a row moves 10 bytes an element (bf16 grad_output, one fp32 row, two bf16 outputs).
 
 Work split: a persistent grid of CTAs strides over the rows; a CTA owns one row at a time,
 each thread a fixed set of 4-wide column vectors (16-byte fp32 / 8-byte bf16 accesses).
@@ -48,7 +52,7 @@ TARGET_VECTORS_PER_THREAD = 5  # H = 2560 -> 128 threads x 5 vectors, no predica
 # CTAs per SM without a ring slower too). 7184 rows is 515 MB: 95% of copy bandwidth.
 DECODER_VECTORS_PER_THREAD = 2
 PREFETCH_MAX_BYTES = 56 * 1024  # ring size per CTA: four CTAs per SM still fit
-MAX_STAGES = 4  # H = 2560: 2 stages (51 KB) with normalized, 3 (46 KB) without
+MAX_STAGES = 4  # H = 2560: 3 stages (46 KB) on either path
 # The one-launch path: 16 CTAs, a non-portable cluster size (the op asks the driver whether the
 # device holds one, else it keeps two launches). Measured on the H200 (session 8), per call with
 # out=: 9.8-10.2 us at 128 rows, GPU-bound (9.1-9.3 us of graph replay; 8 CTAs took 15), where
@@ -72,17 +76,27 @@ class RowForm:
     """What a row pass reads and writes besides the norm's math: 013's form by default. 056's
     two norms (kernels.decoder_layer_backward) take the gradient in fp32 (a product's output),
     x and the weight in bf16, rstd as rsqrt(variance + eps), and add the residual branch's bf16
-    gradient into their one output: out = bf16(residual_grad + dx)."""
+    gradient into their one output: out = bf16(residual_grad + dx).
+
+    dx_from_x: where normalized is read, dx still comes from x, which is read as well (056's
+    contract); otherwise (013's) dx comes from normalized and x is not read. Without normalized
+    the pass always reads x and takes dx from it."""
     grad: type = BFloat16
     x: type = Float32
     weight: type = Float32
     from_variance: bool = False
     residual_grad: bool = False
+    dx_from_x: bool = False
+
+    def reads_x(self, read_normalized: bool) -> bool:
+        return self.dx_from_x or not read_normalized
 
     def key(self) -> tuple:
-        """The build key's part: 013's builds keep their old keys."""
-        return () if self == RowForm() else (self.grad.__name__, self.x.__name__, self.weight.__name__,
-                                             self.from_variance, self.residual_grad)
+        """The build key's part: 013's builds keep their old keys, and 056's (dx from x) too."""
+        if self == RowForm():
+            return ()
+        return (self.grad.__name__, self.x.__name__, self.weight.__name__, self.from_variance,
+                self.residual_grad, *(() if self.dx_from_x else ("dx from normalized",)))
 
 
 class FusedResidualRmsNormBackward:
@@ -94,6 +108,7 @@ class FusedResidualRmsNormBackward:
         self.hidden = hidden
         self.read_normalized = read_normalized
         self.form = form
+        self.reads_x = form.reads_x(read_normalized)
         self.clustered = clusters > 0  # the one-launch path: CTAs in clusters, sums across them
         self.clusters = clusters
         self.threads, self.vectors_per_thread, self.warps = thread_split(
@@ -102,8 +117,8 @@ class FusedResidualRmsNormBackward:
         # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
         # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a
         # row: no ring.
-        row_bytes = hidden * (form.grad.width // 8 + form.x.width // 8 + (4 if read_normalized else 0)
-                              + (2 if form.residual_grad else 0))
+        row_bytes = hidden * (form.grad.width // 8 + (form.x.width // 8 if self.reads_x else 0)
+                              + (4 if read_normalized else 0) + (2 if form.residual_grad else 0))
         self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not self.clustered else \
             ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES - 4 * hidden, ONE_CLUSTER_STAGES)
         if form.residual_grad:
@@ -119,18 +134,16 @@ class FusedResidualRmsNormBackward:
         self.column_sum = ColumnSum(hidden)
 
     @cute.jit
-    def __call__(self, grad_output: cute.Tensor, x: cute.Tensor, normalized: cute.Tensor | None,
+    def __call__(self, grad_output: cute.Tensor, x: cute.Tensor | None, normalized: cute.Tensor | None,
                  rstd: cute.Tensor, weight: cute.Tensor, grad_hidden: cute.Tensor,
                  grad_residual: cute.Tensor | None, grad_weight: cute.Tensor, workspace: cute.Tensor,
                  ctas: Int32, residual_grad: cute.Tensor | None, eps: Float32 | None, stream: cuda.CUstream):
         """Both launches in one host function, so one FFI call: the row kernel writes `ctas`
         partial rows of `workspace`, the column sum adds them into grad_weight. 056's form:
         `rstd` holds the variance, `eps` is given, grad_residual is None and `residual_grad`
-        is added into grad_hidden; 013's passes None for both."""
-        # normalized=None: the kernel never reads it (read_normalized is False); x stands in.
-        m_norm = rows_view(x)
-        if cutlass.const_expr(normalized is not None):
-            m_norm = rows_view(normalized)
+        is added into grad_hidden; 013's passes None for both. x is None where the form does not
+        read it (013's with normalized)."""
+        m_x, m_norm = self.row_views(x, normalized)
         partials = cute.make_tensor(workspace.iterator, cute.make_layout(
             (ctas, self.hidden), stride=(cute.assume(workspace.stride[0], divby=VECTOR), 1)))
         m_gr, m_add = None, None
@@ -138,53 +151,52 @@ class FusedResidualRmsNormBackward:
             m_gr = rows_view(grad_residual)
         if cutlass.const_expr(residual_grad is not None):
             m_add = rows_view(residual_grad)
-        self.kernel(rows_view(grad_output), rows_view(x), m_norm, rows_view(rstd)[None, 0], weight,
+        self.kernel(rows_view(grad_output), m_x, m_norm, rows_view(rstd)[None, 0], weight,
                     rows_view(grad_hidden), m_gr, partials, None, m_add, eps).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
         self.column_sum(partials, grad_weight, stream)
 
     @cute.jit
-    def one_launch(self, grad_output: cute.Tensor, x: cute.Tensor, normalized: cute.Tensor | None,
+    def one_launch(self, grad_output: cute.Tensor, x: cute.Tensor | None, normalized: cute.Tensor | None,
                    rstd: cute.Tensor, weight: cute.Tensor, grad_hidden: cute.Tensor,
                    grad_residual: cute.Tensor, grad_weight: cute.Tensor, handoff: cute.Tensor | None,
                    stream: cuda.CUstream):
         """The one-launch path (built with clusters = 1 or 2): grad_weight summed across the
         cluster(s). With two clusters `handoff` is a zeroed fp32 [H + 16] buffer: the second
         cluster's column sums, then one flag per CTA rank, which the kernel leaves at zero."""
-        m_norm = rows_view(x)
-        if cutlass.const_expr(normalized is not None):
-            m_norm = rows_view(normalized)
-        self.kernel(rows_view(grad_output), rows_view(x), m_norm, rows_view(rstd)[None, 0], weight,
+        m_x, m_norm = self.row_views(x, normalized)
+        self.kernel(rows_view(grad_output), m_x, m_norm, rows_view(rstd)[None, 0], weight,
                     rows_view(grad_hidden), rows_view(grad_residual), grad_weight, handoff, None, None).launch(
             grid=[ONE_CLUSTER * self.clusters, 1, 1], block=[self.threads, 1, 1], cluster=[ONE_CLUSTER, 1, 1],
             stream=stream, use_pdl=True)
 
+    def row_views(self, x, normalized):
+        """(x, normalized) as row views, None for either the pass does not read."""
+        m_x = rows_view(x) if self.reads_x else None
+        m_norm = rows_view(normalized) if self.read_normalized else None
+        return m_x, m_norm
+
     @cute.kernel
-    def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_norm: cute.Tensor, m_rstd: cute.Tensor,
+    def kernel(self, m_go: cute.Tensor, m_x, m_norm, m_rstd: cute.Tensor,
                m_w: cute.Tensor, m_gh: cute.Tensor, m_gr, m_part: cute.Tensor, m_handoff, m_add, eps):
         # A programmatic dependent launch: its CTAs take their SMs as the kernel before retires and
         # wait here, before any global access, for that kernel's writes. Measured (session 23,
         # timed as tools/bench times): -1 to -1.8 us a call at every size (the largest within
         # noise), 1024 x 8 90.4 -> 92.6% of copy bandwidth. Triggering the next call's row kernel
         # early (from the column sum's start) lost up to 7% instead: its CTAs then land on SMs
-        # beside the column sum's, not in the grid's even 2.5 or 3.5 per SM.
+        # beside the column sum's, not evenly GRID_CTAS_PER_SM to an SM.
         cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tidx % 32, tidx // 32
         h, vpt, threads = self.hidden, self.vectors_per_thread, self.threads
-        rows = cute.size(m_x, mode=[0])
+        rows = cute.size(m_go, mode=[0])
         my_rows = cute.ceil_div(rows - bidx, ctas)  # rows bidx, bidx + ctas, ...; at least one
 
         smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
         load_bf16, load_f32 = wide_copy(BFloat16), wide_copy(Float32)
-        # Inputs of a row, in the order fetch_row/read_row take them.
-        sources = (m_go, m_x, m_norm) if cutlass.const_expr(self.read_normalized) else (m_go, m_x)
-        if cutlass.const_expr(self.form.residual_grad):
-            sources = (*sources, m_add)
-
         weight = cute.make_rmem_tensor((VECTOR, vpt), Float32)
         grad_weight = cute.make_rmem_tensor((VECTOR, vpt), Float32)
         g = cute.make_rmem_tensor((VECTOR, vpt), Float32)
@@ -193,11 +205,18 @@ class FusedResidualRmsNormBackward:
         staging_bf16 = cute.make_rmem_tensor((VECTOR,), BFloat16)
         staging_f32 = cute.make_rmem_tensor((VECTOR,), Float32)
         adds = cute.make_rmem_tensor((VECTOR, vpt), Float32)
-        # Registers for `sources`, in their order.
-        values = (g, xs, ns) if cutlass.const_expr(self.read_normalized) else (g, xs)
+        # Inputs of a row, in the order fetch_row/read_row take them, and the registers they land in.
+        sources, values = (m_go,), (g,)
+        if cutlass.const_expr(self.reads_x):
+            sources, values = (*sources, m_x), (*values, xs)
+        if cutlass.const_expr(self.read_normalized):
+            sources, values = (*sources, m_norm), (*values, ns)
         if cutlass.const_expr(self.form.residual_grad):
-            values = (*values, adds)
-        for t in (grad_weight, weight, g, xs, ns, adds):
+            sources, values = (*sources, m_add), (*values, adds)
+        # The row dx is taken from: x (its scale then carries rstd^2, as normalized = x * rstd)
+        # where x is read, else normalized.
+        dx_row = xs if cutlass.const_expr(self.reads_x) else ns
+        for t in (grad_weight, weight, *values):
             t.fill(0.0)
         read_row((load_bf16, load_f32), (m_w,), (weight,), tidx, threads, vpt, h // VECTOR)
 
@@ -239,18 +258,23 @@ class FusedResidualRmsNormBackward:
                           tidx, threads, vpt, h // VECTOR)
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
-                gk, xk = g[None, k].load(), xs[None, k].load()
-                normalized = xk * rstd
+                gk = g[None, k].load()
                 if cutlass.const_expr(self.read_normalized):
                     normalized = ns[None, k].load()
+                else:
+                    normalized = xs[None, k].load() * rstd
                 grad_weight[None, k].store(grad_weight[None, k].load() + gk * normalized)
-                dot += (gk * weight[None, k].load() * xk).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                dot += (gk * weight[None, k].load() * dx_row[None, k].load()).reduce(
+                    cute.ReductionOp.ADD, Float32(0.0), 0)
             total = row_sum(dot, warp_sums, it % 2, lane, warp, self.warps)
-            scale = rstd * rstd * total * (1.0 / h)
+            if cutlass.const_expr(self.reads_x):
+                scale = rstd * rstd * total * (1.0 / h)
+            else:
+                scale = total * (1.0 / h)
             for k in cutlass.range_constexpr(vpt):
                 if tidx + k * threads < h // VECTOR:  # uneven rows leave the last vectors idle
-                    gk, xk = g[None, k].load(), xs[None, k].load()
-                    dx = rstd * (gk * weight[None, k].load() - xk * scale)
+                    gk = g[None, k].load()
+                    dx = rstd * (gk * weight[None, k].load() - dx_row[None, k].load() * scale)
                     if cutlass.const_expr(self.form.residual_grad):
                         dx = dx + adds[None, k].load()
                     staging_bf16.store(dx.to(BFloat16))
@@ -336,12 +360,11 @@ class FusedResidualRmsNormBackward:
         cute.arch.cluster_wait()
 
 
-# The grid's CTAs per SM (4 fit: 128 threads x ~125 registers, <= 56 KB of ring), by whether
-# normalized is read. Session 9's sweep, timed as tools/bench times (out=, inputs rotated past
-# L2), every workload that moves >= 256 MB: with normalized, 2.5 per SM beat 3 by up to 4
-# points (997 x 16: 95.2% against 91.2%; 8192 x 64 lost 1.4) and 3.5 or 4 did worse; without
-# it (fewer bytes in flight per CTA), 3.5 beat 3 by 0.4-2 points (8192 x 64 lost 0.5).
-GRID_CTAS_PER_SM = {True: 2.5, False: 3.5}
+# The grid's CTAs per SM (4 fit: 128 threads x ~125 registers, <= 56 KB of ring), set by the
+# bytes a row moves: both paths move 10 bytes an element, for which (measured on normalized=None)
+# 3.5 beat 3 by 0.4-2 points on every workload moving >= 256 MB (8192 x 64 lost 0.5), timed as
+# tools/bench times (out=, inputs rotated past L2). 14-byte rows wanted 2.5.
+GRID_CTAS_PER_SM = 3.5
 
 
 def _fake_args(hidden: int, read_normalized: bool, clusters: int = 0, form: RowForm = RowForm()):
@@ -354,9 +377,10 @@ def _fake_args(hidden: int, read_normalized: bool, clusters: int = 0, form: RowF
     weight = runtime.fake_tensor(form.weight, (hidden,), (1,), VECTOR * form.weight.width // 8)
     grad_weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
+    x = rows_of(form.x) if form.reads_x(read_normalized) else None
     normalized = rows_of(Float32) if read_normalized else None
     grad_residual = None if form.residual_grad else rows_of(BFloat16)
-    tensors = (rows_of(form.grad), rows_of(form.x), normalized, rstd, weight, rows_of(BFloat16),
+    tensors = (rows_of(form.grad), x, normalized, rstd, weight, rows_of(BFloat16),
                grad_residual, grad_weight)
     if clusters == 0:
         extras = (rows_of(BFloat16), Float32(0.0)) if form.residual_grad else (None, None)
@@ -388,32 +412,32 @@ def _check_inputs(grad_output, x, normalized, rstd, weight):
     check_tensor("grad_output", grad_output, dtypes=torch.bfloat16, ndim=3, contiguous=False, align=8)
     batch, seq, hidden = grad_output.shape
     check_hidden_size("grad_output", hidden, MAX_HIDDEN)
-    check_tensor("x", x, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
-    if normalized is not None:
-        check_tensor("normalized", normalized, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
-    for name, t in (("grad_output", grad_output), ("x", x), ("normalized", normalized)):
-        if t is not None:
-            check_row_strides(name, t, VECTOR)
+    # The one fp32 row input: normalized where given (x is then not read, so not checked), else x.
+    name, row = ("x", x) if normalized is None else ("normalized", normalized)
+    check_tensor(name, row, dtypes=torch.float32, shape=(batch, seq, hidden), contiguous=False)
+    check_row_strides("grad_output", grad_output, VECTOR)
+    check_row_strides(name, row, VECTOR)
     check_tensor("rstd", rstd, dtypes=torch.float32, shape=(batch, seq, 1), contiguous=False, align=4)
     check_tensor("weight", weight, dtypes=torch.float32, shape=(hidden,))
-    check_same_device(grad_output=grad_output, x=x, normalized=normalized, rstd=rstd, weight=weight)
+    check_same_device(grad_output=grad_output, **{name: row}, rstd=rstd, weight=weight)
     if batch * seq >= 2**31:
         raise ValueError(f"grad_output: {batch * seq} rows; at most 2^31 - 1 are supported")
     return batch, seq, hidden
 
 
-def _check_out(out, x):
+def _check_out(out, grad_output):
     import torch
 
     from .checks import check_same_device, check_tensor
 
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise TypeError("out: expected (grad_hidden_states, grad_residual, grad_weight)")
-    batch, seq, hidden = x.shape
+    batch, seq, hidden = grad_output.shape
     for name, t in zip(("grad_hidden_states", "grad_residual"), out[:2]):
         check_tensor(f"out[{name}]", t, dtypes=torch.bfloat16, shape=(batch, seq, hidden), align=8)
     check_tensor("out[grad_weight]", out[2], dtypes=torch.float32, shape=(hidden,))
-    check_same_device(x=x, grad_hidden_states=out[0], grad_residual=out[1], grad_weight=out[2])
+    check_same_device(grad_output=grad_output, grad_hidden_states=out[0], grad_residual=out[1],
+                      grad_weight=out[2])
     return tuple(out)
 
 
@@ -425,7 +449,7 @@ class _Entry:
 
         self.device, self.hidden = device, hidden
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.max_ctas = int(GRID_CTAS_PER_SM[read_normalized] * sms)
+        self.max_ctas = int(GRID_CTAS_PER_SM * sms)
         arch = runtime.device_arch(device.index)
         self.run = runtime.ffi_function(_build(hidden, read_normalized, arch))
         # The one-launch path: two clusters where the device holds two at once (each CTA has
@@ -455,10 +479,11 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
 
     grad_output, x, normalized [b, s, H] with any batch/seq strides that are multiples of 4
     elements and a contiguous last dim (bf16, fp32, fp32); rstd fp32 [b, s, 1]; weight fp32
-    [H]; H a multiple of 8 up to 16384. normalized=None: the caller guarantees normalized ==
-    x * rstd, and the kernel computes it instead of reading it (10 bytes per element instead
-    of 14). out=(grad_hidden_states, grad_residual, grad_weight) writes into the caller's
-    tensors. grad_weight is bitwise repeatable: per-CTA partial sums added in a fixed order.
+    [H]; H a multiple of 8 up to 16384. With normalized given, x is not read (nor checked: it
+    may be None). normalized=None: the kernel reads x and computes normalized = x * rstd; the
+    caller guarantees that is what normalized would be. Either way 10 bytes an element move.
+    out=(grad_hidden_states, grad_residual, grad_weight) writes into the caller's tensors.
+    grad_weight is bitwise repeatable: per-CTA partial sums added in a fixed order.
 
     Host cost: one dict lookup, the output allocations (none with out=) and one TVM-FFI call,
     which checks dtypes, shapes, strides, alignment and device in C and makes the launches
@@ -482,31 +507,34 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
         out = (grad_output.new_empty((batch, seq, hidden)), grad_output.new_empty((batch, seq, hidden)),
                weight.new_empty(hidden))
     elif not isinstance(out, tuple) or len(out) != 3:
-        out = _check_out(out, x)
+        out = _check_out(out, grad_output)
     grad_hidden, grad_residual, grad_weight = out
     if rows == 0 or rows >= 2**31:
         _check_inputs(grad_output, x, normalized, rstd, weight)
-        _check_out(out, x)
+        _check_out(out, grad_output)
         grad_weight.zero_()
         return out
+    x_read = x if normalized is None else None  # with normalized the build takes no x
     try:
         if rows <= entry.one_launch_max_rows:
-            entry.run_one_launch(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
+            entry.run_one_launch(grad_output, x_read, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
                                  entry.handoff.get() if entry.handoff else None)
         else:
-            entry.run(grad_output, x, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
+            entry.run(grad_output, x_read, normalized, rstd, weight, grad_hidden, grad_residual, grad_weight,
                       entry.workspace.get(), min(rows, entry.max_ctas), None, None)
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, x, normalized, rstd, weight)
-        _check_out(out, x)
+        _check_out(out, grad_output)
         raise
     return out
 
 
 # 056's two norms (decoder_layer_backward): the gradient is an fp32 product output, x and the
-# weight bf16, rstd from the variance, the residual branch's gradient added into one output.
-DECODER_FORM = RowForm(grad=Float32, x=BFloat16, weight=BFloat16, from_variance=True, residual_grad=True)
+# weight bf16, rstd from the variance, the residual branch's gradient added into one output, dx
+# from x (normalized read for grad_weight only).
+DECODER_FORM = RowForm(grad=Float32, x=BFloat16, weight=BFloat16, from_variance=True, residual_grad=True,
+                       dx_from_x=True)
 
 
 class _FormEntry:

@@ -18,7 +18,8 @@ _LIBRARY = "cutebwd"
 
 
 @torch.library.custom_op(f"{_LIBRARY}::fused_residual_rmsnorm_backward", mutates_args=())
-def fused_residual_rmsnorm_backward(grad_output: torch.Tensor, x: torch.Tensor, normalized: Optional[torch.Tensor],
+def fused_residual_rmsnorm_backward(grad_output: torch.Tensor, x: Optional[torch.Tensor],
+                                    normalized: Optional[torch.Tensor],
                                     rstd: torch.Tensor, weight: torch.Tensor
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """L1/013 -> (grad_hidden_states, grad_residual, grad_weight); see the op in
@@ -36,36 +37,35 @@ def _(grad_output, x, normalized, rstd, weight):
 
 @torch.library.custom_op(f"{_LIBRARY}::embedding_rmsnorm_backward", mutates_args=())
 def embedding_rmsnorm_backward(grad_output: torch.Tensor, input_ids: torch.Tensor, hidden_states: torch.Tensor,
-                               rstd: torch.Tensor, weight: torch.Tensor, vocab_size: int = 65536
+                               rstd: torch.Tensor, norm_weight: torch.Tensor, vocab_size: int = 65536
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """L1/087, a fresh table -> (grad_embedding, grad_weight); see kernels/embedding_backward.py."""
+    """L1/087, a fresh table -> (grad_embed_weight, grad_norm_weight); see kernels/embedding_backward.py."""
     from .embedding_backward import embedding_rmsnorm_backward as op
 
-    return op(grad_output, input_ids, hidden_states, rstd, weight, vocab_size=vocab_size)
+    return op(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size=vocab_size)
 
 
 @embedding_rmsnorm_backward.register_fake
-def _(grad_output, input_ids, hidden_states, rstd, weight, vocab_size=65536):
+def _(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size=65536):
     hidden = grad_output.shape[-1]
-    return grad_output.new_empty((vocab_size, hidden), dtype=torch.bfloat16), \
-        grad_output.new_empty((hidden,), dtype=torch.float32)
+    return grad_output.new_empty((vocab_size, hidden), dtype=torch.bfloat16), norm_weight.new_empty((hidden,))
 
 
 @torch.library.custom_op(f"{_LIBRARY}::embedding_rmsnorm_backward_accumulate",
-                         mutates_args=("grad_embedding", "grad_weight"))
+                         mutates_args=("grad_embed_weight", "grad_norm_weight"))
 def embedding_rmsnorm_backward_accumulate(grad_output: torch.Tensor, input_ids: torch.Tensor,
-                                          hidden_states: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
-                                          grad_embedding: torch.Tensor, grad_weight: torch.Tensor) -> None:
-    """L1/087 adding this step's rows into grad_embedding (gradient accumulation); grad_weight is
-    overwritten with this step's. The vocabulary is grad_embedding's row count."""
+                                          hidden_states: torch.Tensor, rstd: torch.Tensor, norm_weight: torch.Tensor,
+                                          grad_embed_weight: torch.Tensor, grad_norm_weight: torch.Tensor) -> None:
+    """L1/087 adding this step's rows into grad_embed_weight (gradient accumulation);
+    grad_norm_weight is overwritten with this step's. The vocabulary is the table's row count."""
     from .embedding_backward import embedding_rmsnorm_backward as op
 
-    op(grad_output, input_ids, hidden_states, rstd, weight, vocab_size=grad_embedding.shape[0],
-       out=(grad_embedding, grad_weight), accumulate=True)
+    op(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size=grad_embed_weight.shape[0],
+       out=(grad_embed_weight, grad_norm_weight), accumulate=True)
 
 
 @embedding_rmsnorm_backward_accumulate.register_fake
-def _(grad_output, input_ids, hidden_states, rstd, weight, grad_embedding, grad_weight):
+def _(grad_output, input_ids, hidden_states, rstd, norm_weight, grad_embed_weight, grad_norm_weight):
     return None
 
 
@@ -73,7 +73,8 @@ def _(grad_output, input_ids, hidden_states, rstd, weight, grad_embedding, grad_
 def qkv_qknorm_backward(grad_query: torch.Tensor, grad_key: torch.Tensor, grad_value: torch.Tensor,
                         hidden_states: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                         v_weight: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-                        query_transposed: torch.Tensor, key_transposed: torch.Tensor, q_rstd: torch.Tensor,
+                        query_transposed: Optional[torch.Tensor], key_transposed: Optional[torch.Tensor],
+                        q_rstd: torch.Tensor,
                         k_rstd: torch.Tensor, q_normed: torch.Tensor, k_normed: torch.Tensor, rms_norm_eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """L1/051 -> its six gradients; see kernels/qkv_qknorm_backward.py."""

@@ -10,10 +10,11 @@ from .embedding_rmsnorm import embedding_rmsnorm_backward
 from .fused_residual_rmsnorm import fused_residual_rmsnorm_backward
 from .problems import PROBLEMS, Problem
 from .qkv_qknorm import qkv_qknorm_backward
-from .rmsnorm import rms_dx, round_bf16
-from .workloads import WORKLOADS, sol_seconds
+from .rmsnorm import Evaluation, normalized_dx, rms_dx
+from .workloads import ATOL, WORKLOADS, atol, sol_seconds
 
 __all__ = [
+    "ATOL",
     "PROBLEMS",
     "Problem",
     "WORKLOADS",
@@ -21,7 +22,9 @@ __all__ = [
     "embedding_rmsnorm_backward",
     "fused_residual_rmsnorm_backward",
     "qkv_qknorm_backward",
+    "Evaluation",
+    "normalized_dx",
     "rms_dx",
-    "round_bf16",
+    "atol",
     "sol_seconds",
 ]

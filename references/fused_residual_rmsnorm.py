@@ -1,13 +1,14 @@
 """L1/013 fused residual RMSNorm backward (Qwen3-4B): the contract in plain PyTorch.
 
-Forward: x = hidden_states + residual (fp32), y = weight * x * rstd(x). The backward gives
-the same gradient to both summands, returned as two tensors.
+Forward: x = hidden_states + residual (fp32), normalized = x * rstd(x), y = weight * normalized.
+The backward gives the same gradient to both summands, returned as two tensors, and computes
+it from `normalized`: x is in the signature and not read.
 """
 
 import torch
 
 from .inputs import InputDraw, as_dtype, model_dims, rsqrt_mean_square
-from .rmsnorm import compute_dtype, finish, rms_dx
+from .rmsnorm import Evaluation, normalized_dx
 
 bf16, fp32 = torch.bfloat16, torch.float32
 
@@ -16,27 +17,27 @@ EPS = 1e-6  # Qwen3 rms_norm_eps; the backward gets rstd, so only the generator 
 INPUTS = ("grad_output", "x", "normalized", "rstd", "weight")
 OUTPUTS = ("grad_hidden_states", "grad_residual", "grad_weight")
 OUTPUT_DTYPES = (bf16, bf16, fp32)
+UNREAD_INPUTS = ("x",)
 
 
-def fused_residual_rmsnorm_backward(
-    grad_output, x, normalized, rstd, weight, *, fp32_outputs=False, round_intermediates=True
-):
+def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *, exact=False):
     """-> grad_hidden_states, grad_residual, grad_weight.
 
-    normalized=None: the caller guarantees normalized == x * rstd, so it is recomputed.
-    The contract has no intermediate rounding here; round_intermediates is accepted so all
-    references share one calling convention.
+    normalized=None: the option that reads x and computes normalized = x * rstd (in a real
+    model the two agree); otherwise x is not read.
     """
-    dtype = compute_dtype(x, rstd, weight)
-    hidden = x.shape[-1]
-    g = grad_output.to(dtype).reshape(-1, hidden)
-    x = x.to(dtype).reshape(-1, hidden)
-    rstd = rstd.to(dtype).reshape(-1, 1)
-    normalized = x * rstd if normalized is None else normalized.to(dtype).reshape(-1, hidden)
+    ev = Evaluation(exact)
+    hidden = grad_output.shape[-1]
+    g = ev(grad_output).reshape(-1, hidden)
+    rstd = ev(rstd).reshape(-1, 1)
+    if normalized is None:
+        normalized = ev(x).reshape(-1, hidden) * rstd
+    else:
+        normalized = ev(normalized).reshape(-1, hidden)
 
     grad_weight = (g * normalized).sum(0)
-    dx = rms_dx(g * weight.to(dtype), x, rstd).reshape(grad_output.shape)
-    return finish((dx, dx.clone(), grad_weight), OUTPUT_DTYPES, fp32_outputs)
+    dx = normalized_dx(g * ev(weight), normalized, rstd).reshape(grad_output.shape)
+    return ev.finish((dx, dx.clone(), grad_weight), OUTPUT_DTYPES)
 
 
 def forward_leaves(batch, seq, *, device="cpu", seed=0, dims=None, dtype=None):
@@ -60,7 +61,8 @@ def forward(leaves, *, eps=EPS):
 
 
 def make_inputs(batch, seq, *, device="cpu", seed=0, dims=None, consistent=False, dtype=None):
-    """Inputs in signature order. consistent=True: saved tensors of a real forward pass."""
+    """Inputs in signature order: the benchmark's independent random tensors, or with
+    consistent=True the saved tensors of a real forward pass."""
     if consistent:
         leaves = forward_leaves(batch, seq, device=device, seed=seed, dims=dims, dtype=dtype)
         with torch.no_grad():
@@ -79,6 +81,6 @@ def make_inputs(batch, seq, *, device="cpu", seed=0, dims=None, consistent=False
         draw.randn(shape, bf16),
         draw.randn(shape, fp32),
         draw.randn(shape, fp32),
-        draw.near_one((batch, seq, 1), fp32),
+        draw.rstd((batch, seq, 1), fp32),
         draw.randn((hidden,), fp32),
     )

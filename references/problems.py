@@ -3,7 +3,9 @@
     for problem in PROBLEMS.values():
         for seq, batch, options in problem.cases():
             inputs = problem.make_inputs(batch, seq, device="cuda", **options)
-            expected = problem.run_reference(inputs, fp32_outputs=True)
+            reference = problem.run_reference(inputs)   # benchmark-style, declared dtypes
+            exact = problem.run_exact(inputs)           # float64, no intermediate rounding
+            atol = problem.atol(seq, batch)
 """
 
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ class Problem:
     workloads: list  # (seq_len, batch_size)
     input_names: tuple
     output_names: tuple
-    output_dtypes: tuple  # torch dtypes, in output order
+    output_dtypes: tuple  # the benchmark's torch dtypes, in output order
     # Reference keywords that follow from the model dimensions (087's table size).
     dims_options: Callable[[dict], dict] = field(default=lambda dims: {})
 
@@ -35,10 +37,18 @@ class Problem:
     def cases(self):
         return workloads.cases(self.name)
 
+    def atol(self, seq, batch) -> float:
+        return workloads.atol(self.name, seq, batch)
+
     def run_reference(self, inputs, dims=None, **options):
-        """The reference on make_inputs(..., dims=dims)'s tuple; options: fp32_outputs, ..."""
+        """The benchmark-style reference (the contract as written) on make_inputs(..., dims=dims)'s
+        tuple, outputs in their declared dtypes."""
         dims = model_dims(self.dims, dims)
         return self.reference(*inputs, **self.dims_options(dims), **options)
+
+    def run_exact(self, inputs, dims=None, **options):
+        """The exact evaluation: the same math in float64, no intermediate rounding."""
+        return self.run_reference(inputs, dims, exact=True, **options)
 
 
 def _problem(module, reference, cost, **extra) -> Problem:

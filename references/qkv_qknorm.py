@@ -1,15 +1,16 @@
 """L1/051 Gemma3 QKV projection with Q/K RMSNorm backward (Gemma-3-270m): the contract.
 
 Forward: q, k, v = hidden @ W^T, viewed per head as [b, heads, s, d]; q and k go through
-Gemma3's RMSNorm with scale (1 + w); v is used as is. The backward takes the norm
-gradient per head, rounds dq and dk to bf16 (they feed bf16 products), and then runs
-the three projection backwards as [T, heads * d] matrices.
+Gemma3's RMSNorm with scale (1 + w); v is used as is. The backward takes the norm gradient
+per head from the saved normed rows (query_transposed and key_transposed are not read),
+rounding g * (1 + w) and then dq, dk to bf16, and runs the three projection backwards as
+[T, heads * d] matrices.
 """
 
 import torch
 
-from .inputs import InputDraw, as_dtype, model_dims, rsqrt_mean_square
-from .rmsnorm import compute_dtype, finish, rms_dx, round_bf16
+from .inputs import InputDraw, as_dtype, compute_dtype, model_dims, round_bf16, rsqrt_mean_square
+from .rmsnorm import Evaluation, normalized_dx
 
 bf16, fp32 = torch.bfloat16, torch.float32
 
@@ -25,47 +26,51 @@ OUTPUTS = (
     "grad_q_norm_weight", "grad_k_norm_weight",
 )  # fmt: skip
 OUTPUT_DTYPES = (bf16, bf16, bf16, bf16, fp32, fp32)
+UNREAD_INPUTS = ("query_transposed", "key_transposed")
 
 
 def qkv_qknorm_backward(
     grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight,
     q_norm_weight, k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd,
-    q_normed, k_normed, rms_norm_eps, *, fp32_outputs=False, round_intermediates=True,
+    q_normed, k_normed, rms_norm_eps, *, exact=False,
 ):  # fmt: skip
     """-> grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight,
     grad_q_norm_weight, grad_k_norm_weight.
 
-    rms_norm_eps is part of the signature but already inside the given rstd.
+    rms_norm_eps is part of the signature but already inside the given rstd; query_transposed
+    and key_transposed are in the signature and not read.
     """
-    del rms_norm_eps
-    dtype = compute_dtype(hidden_states, q_rstd)
+    del rms_norm_eps, query_transposed, key_transposed
+    ev = Evaluation(exact)
     batch, seq, hidden = hidden_states.shape
     tokens = batch * seq
 
-    def norm_backward(grad, norm_weight, pre_norm, rstd, normed):
-        grad = grad.to(dtype)
-        grad_norm_weight = (grad * normed.to(dtype)).sum((0, 1, 2))
-        dx = rms_dx(grad * (1 + norm_weight.to(dtype)), pre_norm.to(dtype), rstd.to(dtype))
-        return round_bf16(dx, round_intermediates), grad_norm_weight
+    def norm_backward(grad, norm_weight, rstd, normed):
+        grad, normed = ev(grad), ev(normed)
+        grad_norm_weight = (grad * normed).sum((0, 1, 2))
+        gn = ev.bf16(grad * (1 + ev(norm_weight)))
+        return ev.bf16(normalized_dx(gn, normed, ev(rstd))), grad_norm_weight
 
     def as_rows(per_head):  # [b, heads, s, d] -> [T, heads * d], the projection's layout
         return per_head.transpose(1, 2).reshape(tokens, -1)
 
-    dq, grad_q_norm_weight = norm_backward(grad_query, q_norm_weight, query_transposed, q_rstd, q_normed)
-    dk, grad_k_norm_weight = norm_backward(grad_key, k_norm_weight, key_transposed, k_rstd, k_normed)
-    grad_q, grad_k, grad_v = as_rows(dq), as_rows(dk), as_rows(grad_value.to(dtype))
-    x = hidden_states.to(dtype).reshape(tokens, hidden)
+    dq, grad_q_norm_weight = norm_backward(grad_query, q_norm_weight, q_rstd, q_normed)
+    dk, grad_k_norm_weight = norm_backward(grad_key, k_norm_weight, k_rstd, k_normed)
+    grad_q, grad_k, grad_v = as_rows(dq), as_rows(dk), as_rows(ev(grad_value))
+    x = hidden_states.reshape(tokens, hidden)
 
-    grad_hidden_states = grad_q @ q_weight.to(dtype) + grad_k @ k_weight.to(dtype) + grad_v @ v_weight.to(dtype)
+    # The three input-gradient products are summed as bf16 tensors, each sum rounded.
+    partial = ev.bf16(ev.product(grad_q, q_weight) + ev.product(grad_k, k_weight))
+    grad_hidden_states = ev.bf16(partial + ev.product(grad_v, v_weight))
     outputs = (
         grad_hidden_states.reshape(batch, seq, hidden),
-        grad_q.T @ x,
-        grad_k.T @ x,
-        grad_v.T @ x,
+        ev.product(grad_q.T, x),
+        ev.product(grad_k.T, x),
+        ev.product(grad_v.T, x),
         grad_q_norm_weight,
         grad_k_norm_weight,
     )
-    return finish(outputs, OUTPUT_DTYPES, fp32_outputs)
+    return ev.finish(outputs, OUTPUT_DTYPES)
 
 
 def forward_leaves(batch, seq, *, device="cpu", seed=0, dims=None, dtype=None):
@@ -118,7 +123,9 @@ def forward(leaves, *, eps=EPS, store_bf16=False):
 
 
 def make_inputs(batch, seq, *, device="cpu", seed=0, dims=None, consistent=False, dtype=None):
-    """Inputs in signature order, per-head tensors contiguous [b, heads, s, d]."""
+    """Inputs in signature order, per-head tensors contiguous [b, heads, s, d]: the benchmark's
+    independent random tensors (norm weights all ones), or with consistent=True the saved
+    tensors of a real forward pass (random norm weights)."""
     if consistent:
         leaves = forward_leaves(batch, seq, device=device, seed=seed, dims=dims, dtype=dtype)
         with torch.no_grad():
@@ -141,12 +148,12 @@ def make_inputs(batch, seq, *, device="cpu", seed=0, dims=None, consistent=False
         draw.linear_weight(q_heads * head_dim, hidden, bf16),
         draw.linear_weight(kv_heads * head_dim, hidden, bf16),
         draw.linear_weight(kv_heads * head_dim, hidden, bf16),
-        draw.randn((head_dim,), bf16),  # q_norm_weight
-        draw.randn((head_dim,), bf16),  # k_norm_weight
+        draw.ones((head_dim,), bf16),  # q_norm_weight
+        draw.ones((head_dim,), bf16),  # k_norm_weight
         draw.randn(q_shape, bf16),  # query_transposed
         draw.randn(kv_shape, bf16),  # key_transposed
-        draw.near_one((batch, q_heads, seq, 1), fp32),  # q_rstd
-        draw.near_one((batch, kv_heads, seq, 1), fp32),  # k_rstd
+        draw.rstd((batch, q_heads, seq, 1), fp32),  # q_rstd
+        draw.rstd((batch, kv_heads, seq, 1), fp32),  # k_rstd
         draw.randn(q_shape, bf16),  # q_normed
         draw.randn(kv_shape, bf16),  # k_normed
         EPS,

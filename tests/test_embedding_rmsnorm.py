@@ -8,7 +8,7 @@ from cutebwd.kernels import id_radix
 from cutebwd.kernels.embedding_backward import SORT_ON_CHIP_MAX_TOKENS
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import WORKLOADS
-from cutebwd.tools.parity import assert_parity, check_problem
+from cutebwd.tools.parity import FILLS, assert_problem, check_problem
 
 PROBLEM = PROBLEMS["embedding_rmsnorm_backward"]
 SMALL = {"vocab": 97, "hidden": 64}
@@ -37,7 +37,12 @@ def test_accumulate_needs_a_table():
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq,batch", WORKLOADS[PROBLEM.name])
 def test_workloads(seq, batch):
-    check_problem(PROBLEM, kernel, batch, seq)
+    check_problem(PROBLEM, kernel, batch, seq, seed=seq * 1000 + batch, fills=FILLS)
+
+
+@pytest.mark.gpu
+def test_fp32_norm_weight_gives_an_fp32_grad_norm_weight():
+    check_problem(PROBLEM, kernel, 4, 300, norm_weight_dtype=torch.float32)
 
 
 @pytest.mark.gpu
@@ -64,10 +69,9 @@ def test_other_hidden_sizes(hidden):
 def test_accumulate_adds_into_the_table(same_ids):
     inputs = PROBLEM.make_inputs(4, 1024, device="cuda", seed=4, same_ids=same_ids)
     table = torch.randn(65536, 4096, device="cuda").bfloat16()
-    expected = PROBLEM.reference(*inputs, accumulate_into=table, fp32_outputs=True)
-    out = (table.clone(), torch.full((4096,), float("nan"), device="cuda"))
+    out = (table.clone(), torch.full((4096,), float("nan"), dtype=torch.bfloat16, device="cuda"))
     kernel(*inputs, out=out, accumulate=True)
-    assert_parity(PROBLEM.output_names, out, expected, PROBLEM.output_dtypes)
+    assert_problem(PROBLEM, inputs, out, 4, 1024, accumulate_into=table)
     untouched = torch.ones(65536, dtype=torch.bool, device="cuda")
     untouched[inputs[1].reshape(-1)] = False
     assert torch.equal(out[0][untouched], table[untouched])
@@ -79,10 +83,9 @@ def test_fresh_table_zeroes_every_row_no_token_touches():
     # the untouched rows itself; a NaN block just freed (and likely handed out again) must not
     # show through anywhere.
     inputs = PROBLEM.make_inputs(2, 4096, device="cuda", seed=5)
-    expected = PROBLEM.reference(*inputs, fp32_outputs=True)
     torch.full((65536, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = kernel(*inputs)
-    assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
+    assert_problem(PROBLEM, inputs, got, 2, 4096)
 
 
 @pytest.mark.gpu
@@ -100,7 +103,8 @@ def test_bitwise_repeatable_with_heavy_duplication():
 @pytest.mark.parametrize("seq", [64, SORT_ON_CHIP_MAX_TOKENS // 2 + 8])
 def test_out_of_range_ids_raise_and_write_nothing(seq):
     go, ids, x, r, w = PROBLEM.make_inputs(2, seq, device="cuda", seed=2)
-    out = (torch.full((65536, 4096), 3.0, dtype=torch.bfloat16, device="cuda"), torch.zeros(4096, device="cuda"))
+    out = (torch.full((65536, 4096), 3.0, dtype=torch.bfloat16, device="cuda"),
+           torch.zeros(4096, dtype=torch.bfloat16, device="cuda"))
     for bad in (65536, -1, 2**32 + 5):  # the last wraps to 5 in int32: the check must see the int64 id
         ids[1, 7] = bad
         with pytest.raises(ValueError, match=r"input_ids: every id must lie in \[0, 65536\)"):
@@ -122,9 +126,8 @@ def test_large_calls_by_vocabulary(vocab, batch, seq):
     edges = torch.tensor([vocab - 1, 0, vocab // 2, vocab // 2 - 1, vocab - 1, 0, vocab // 2])
     ids[0, :7] = edges
     ids[-1, -7:] = edges
-    expected = PROBLEM.reference(go, ids, x, r, w, vocab_size=vocab, fp32_outputs=True)
     got = kernel(go, ids, x, r, w, vocab_size=vocab)
-    assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
+    assert_problem(PROBLEM, (go, ids, x, r, w), got, batch, seq, dims=dims)
 
 
 @pytest.mark.gpu
@@ -140,9 +143,8 @@ def test_ids_sorted_on_chip(tokens, ids_dtype, same_ids):
                                            same_ids=same_ids)
     if not same_ids and tokens > 8:
         ids[0, :6] = torch.tensor([4999, 0, 4999, 17, 0, 17], dtype=ids_dtype)
-    expected = PROBLEM.reference(go, ids, x, r, w, vocab_size=5000, fp32_outputs=True)
     got = kernel(go, ids, x, r, w, vocab_size=5000)
-    assert_parity(PROBLEM.output_names, got, expected, PROBLEM.output_dtypes)
+    assert_problem(PROBLEM, (go, ids, x, r, w), got, 1, tokens, dims=dims)
     again = kernel(go, ids, x, r, w, vocab_size=5000)
     assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
 
@@ -155,16 +157,16 @@ def test_gpu_argument_errors():
         kernel(go, ids.float(), x, r, w)
     with pytest.raises(ValueError, match="hidden_states: expected shape"):
         kernel(go, ids, x[:, :3], r, w)
-    with pytest.raises(ValueError, match=r"out\[grad_embedding\]: expected shape"):
+    with pytest.raises(ValueError, match=r"out\[grad_embed_weight\]: expected shape"):
         kernel(go, ids, x, r, w, out=(torch.empty(100, 4096, dtype=torch.bfloat16, device="cuda"), w.clone()))
     # accumulate skips the Python checks of out= until the C-side checks reject something
     table = torch.zeros(65536, 4096, dtype=torch.bfloat16, device="cuda")
     kernel(go, ids, x, r, w, out=(table, w.clone()), accumulate=True)
-    with pytest.raises(TypeError, match=r"out\[grad_embedding\]: expected dtype bfloat16"):
+    with pytest.raises(TypeError, match=r"out\[grad_embed_weight\]: expected dtype bfloat16"):
         kernel(go, ids, x, r, w, out=(table.float(), w.clone()), accumulate=True)
-    with pytest.raises(TypeError, match=r"out\[grad_weight\]: expected dtype float32"):
-        kernel(go, ids, x, r, w, out=(table, w.bfloat16()), accumulate=True)
-    with pytest.raises(ValueError, match=r"out\[grad_embedding\]: expected shape"):
+    with pytest.raises(TypeError, match=r"out\[grad_norm_weight\]: expected dtype bfloat16"):
+        kernel(go, ids, x, r, w, out=(table, w.float()), accumulate=True)
+    with pytest.raises(ValueError, match=r"out\[grad_embed_weight\]: expected shape"):
         kernel(go, ids, x, r, w, out=(table[:100], w.clone()), accumulate=True)
 
 

@@ -5,7 +5,7 @@ import torch
 from cutebwd import fused_residual_rmsnorm_backward as kernel
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import WORKLOADS
-from cutebwd.tools.parity import assert_parity, check_problem
+from cutebwd.tools.parity import FILLS, assert_parity, assert_problem, check_problem
 from cutebwd.tools.timing import capture
 
 PROBLEM = PROBLEMS["fused_residual_rmsnorm_backward"]
@@ -29,7 +29,7 @@ def test_rejects_cpu_tensors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq,batch", WORKLOADS[PROBLEM.name])
 def test_workloads(seq, batch):
-    check_problem(PROBLEM, kernel, batch, seq, seed=seq * 1000 + batch)
+    check_problem(PROBLEM, kernel, batch, seq, seed=seq * 1000 + batch, fills=FILLS)
 
 
 @pytest.mark.gpu
@@ -65,13 +65,26 @@ def test_normalized_none_reads_x_times_rstd():
 
 
 @pytest.mark.gpu
+def test_x_is_not_read_when_normalized_is_given():
+    inputs = PROBLEM.make_inputs(4, 211, device="cuda", seed=4)
+    with_x = kernel(*inputs)
+    without = kernel(inputs[0], None, *inputs[2:])
+    assert all(torch.equal(a, b) for a, b in zip(with_x, without))
+    assert_problem(PROBLEM, inputs, without, 4, 211)
+
+
+@pytest.mark.gpu
 def test_nan_in_one_row_stays_in_that_row():
     inputs = list(PROBLEM.make_inputs(4, 33, device="cuda", seed=3))
-    inputs[1][2, 5, 17] = float("nan")  # x
-    expected = PROBLEM.run_reference(inputs, fp32_outputs=True)
+    inputs[2][2, 5, 17] = float("nan")  # normalized
+    expected = PROBLEM.run_reference(inputs)
     outputs = kernel(*inputs)
-    assert torch.isnan(outputs[0][2, 5]).all() and not torch.isnan(outputs[0][2, 4]).any()
-    assert_parity(PROBLEM.output_names, outputs, expected, PROBLEM.output_dtypes)
+    others = torch.ones(4, 33, dtype=torch.bool, device="cuda")
+    others[2, 5] = False
+    assert torch.isnan(outputs[0][2, 5]).all() and torch.isnan(outputs[1][2, 5]).all()
+    assert torch.isnan(outputs[2][17]) and torch.isfinite(outputs[2][:17]).all()
+    assert_parity(PROBLEM.output_names[:2], [o[others] for o in outputs[:2]], [e[others] for e in expected[:2]],
+                  PROBLEM.atol(33, 4))
 
 
 @pytest.mark.gpu
@@ -99,8 +112,10 @@ def test_back_to_back_calls_with_changing_cta_counts():
 @pytest.mark.gpu
 def test_gpu_argument_errors():
     go, x, n, r, w = _inputs(hidden=2560, device="cuda")
+    with pytest.raises(ValueError, match="normalized: expected shape"):
+        kernel(go, x, n[:, :2], r, w)
     with pytest.raises(ValueError, match="x: expected shape"):
-        kernel(go, x[:, :2], n, r, w)
+        kernel(go, x[:, :2], None, r, w)
     with pytest.raises(ValueError, match="hidden size must be a positive multiple of 8"):
         g2, x2, n2, r2, w2 = _inputs(hidden=1004, device="cuda")
         kernel(g2, x2, n2, r2, w2)
@@ -116,7 +131,6 @@ def test_concurrent_streams_keep_their_own_partials(batch, seq):
     """The partial-sum workspace and the clusters' hand-off buffer are per stream: two streams
     running at once must not mix sums."""
     sets = [PROBLEM.make_inputs(batch, seq, device="cuda", seed=s) for s in (21, 22)]
-    expected = [PROBLEM.run_reference(inputs, fp32_outputs=True) for inputs in sets]
     streams = [torch.cuda.Stream() for _ in sets]
     outputs = [[], []]
     torch.cuda.synchronize()
@@ -127,7 +141,7 @@ def test_concurrent_streams_keep_their_own_partials(batch, seq):
     torch.cuda.synchronize()
     for i in range(2):
         for out in outputs[i]:
-            assert_parity(PROBLEM.output_names, out, expected[i], PROBLEM.output_dtypes)
+            assert_problem(PROBLEM, sets[i], out, batch, seq)
 
 
 @pytest.mark.gpu
@@ -143,4 +157,4 @@ def test_cuda_graph_replay_reads_new_inputs(batch, seq):
         t.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert_parity(PROBLEM.output_names, out, PROBLEM.run_reference(fresh, fp32_outputs=True), PROBLEM.output_dtypes)
+    assert_problem(PROBLEM, fresh, out, batch, seq)

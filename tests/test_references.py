@@ -7,9 +7,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from cutebwd.references import PROBLEMS, WORKLOADS, sol_seconds
+from cutebwd.references import ATOL, PROBLEMS, WORKLOADS, atol, sol_seconds
 from cutebwd.references import decoder_layer, embedding_rmsnorm, fused_residual_rmsnorm, qkv_qknorm
 from cutebwd.references.workloads import cases, embedding_rmsnorm_cost, fused_residual_rmsnorm_cost
+
+# Mean speed of light over each problem's workloads at the H200 ceilings of semantics.md
+# (4.23 TB/s, 781 TFLOP/s), worked out by hand from the counted bytes and FLOPs.
+SOL_013, SOL_087, SOL_051, SOL_056 = 0.338e-3, 0.179e-3, 14.6e-6, 3.17e-3
 
 bf16, fp32, f64 = torch.bfloat16, torch.float32, torch.float64
 
@@ -27,7 +31,7 @@ GRADIENT_OF = {
     "fused_residual_rmsnorm_backward": {
         "grad_hidden_states": "hidden_states", "grad_residual": "residual", "grad_weight": "weight",
     },
-    "embedding_rmsnorm_backward": {"grad_embedding": "embedding", "grad_weight": "weight"},
+    "embedding_rmsnorm_backward": {"grad_embed_weight": "embedding", "grad_norm_weight": "norm_weight"},
     "qkv_qknorm_backward": {
         "grad_hidden_states": "hidden_states", "grad_q_weight": "q_weight", "grad_k_weight": "k_weight",
         "grad_v_weight": "v_weight", "grad_q_norm_weight": "q_norm_weight", "grad_k_norm_weight": "k_norm_weight",
@@ -53,7 +57,7 @@ def declared_inputs(name, b, s, dims):
         h = dims["hidden"]
         return {
             "grad_output": ((b, s, h), bf16), "input_ids": ((b, s), torch.int64),
-            "hidden_states": ((b, s, h), fp32), "rstd": ((b, s, 1), fp32), "weight": ((h,), fp32),
+            "hidden_states": ((b, s, h), fp32), "rstd": ((b, s, 1), fp32), "norm_weight": ((h,), bf16),
         }  # fmt: skip
     if name == "qkv_qknorm_backward":
         h, d, nq, nkv = dims["hidden"], dims["head_dim"], dims["q_heads"], dims["kv_heads"]
@@ -121,7 +125,7 @@ def test_reference_matches_autograd(name, options):
     torch.autograd.backward(list(outputs.values()), [leaves[upstream] for upstream in outputs])
 
     inputs = problem.make_inputs(BATCH, SEQ, seed=3, dims=dims, consistent=True, dtype=f64, **options)
-    got = problem.run_reference(inputs, dims=dims, round_intermediates=False)
+    got = problem.run_exact(inputs, dims=dims)
     assert len(got) == len(problem.output_names)
     for out_name, out in zip(problem.output_names, got):
         assert out.dtype == f64, out_name
@@ -135,68 +139,112 @@ def test_reference_does_not_mutate_or_care_about_strides(name):
     problem, dims = PROBLEMS[name], TINY_DIMS[name]
     inputs = problem.make_inputs(BATCH, SEQ, seed=1, dims=dims)
     before = [(t.clone(), t.stride()) for t in tensors(inputs)]
-    got = problem.run_reference(inputs, dims=dims, fp32_outputs=True)
+    got = problem.run_reference(inputs, dims=dims)
     for t, (copy, stride) in zip(tensors(inputs), before):
         assert torch.equal(t, copy) and t.stride() == stride
     contiguous = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs]
-    for a, b in zip(got, problem.run_reference(contiguous, dims=dims, fp32_outputs=True)):
+    for a, b in zip(got, problem.run_reference(contiguous, dims=dims)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-# ---- the default (benchmark dtype) path and the options -----------------------------------
+# ---- the benchmark-style reference and the exact evaluation -------------------------------
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("consistent", [False, True])
-def test_default_path_declared_dtypes_and_fp32_outputs(name, consistent):
+def test_reference_in_declared_dtypes_exact_in_float64(name, consistent):
     problem, dims = PROBLEMS[name], TINY_DIMS[name]
     inputs = problem.make_inputs(BATCH, SEQ, seed=2, dims=dims, consistent=consistent)
     got = problem.run_reference(inputs, dims=dims)
-    in_fp32 = problem.run_reference(inputs, dims=dims, fp32_outputs=True)
+    exact = problem.run_exact(inputs, dims=dims)
     shapes = declared_outputs(name, BATCH, SEQ, dims)
-    for out_name, out, ref, dtype, shape in zip(problem.output_names, got, in_fp32, problem.output_dtypes, shapes):
+    for out_name, out, ex, dtype, shape in zip(problem.output_names, got, exact, problem.output_dtypes, shapes):
         assert out.dtype == dtype and tuple(out.shape) == shape, out_name
-        assert ref.dtype == fp32 and tuple(ref.shape) == shape, out_name
-        assert torch.isfinite(ref).all(), out_name
-        # The declared-dtype output is the fp32 reference with the one final cast.
-        assert torch.equal(out, ref.to(dtype)), out_name
+        assert ex.dtype == f64 and tuple(ex.shape) == shape, out_name
+        assert torch.isfinite(ex).all() and ex.abs().max() > 0, out_name
+        # the rounding of the contract as written, nothing more
+        assert (out.double() - ex).norm() <= 0.02 * ex.norm(), out_name
 
 
-def test_round_intermediates_is_the_contracts_bf16_marks():
+def test_the_exact_evaluation_skips_the_contracts_bf16_marks():
     for name in ("qkv_qknorm_backward", "decoder_layer_backward"):
         problem, dims = PROBLEMS[name], TINY_DIMS[name]
         inputs = problem.make_inputs(BATCH, SEQ, seed=4, dims=dims)
-        rounded = problem.run_reference(inputs, dims=dims, fp32_outputs=True)
-        exact = problem.run_reference(inputs, dims=dims, fp32_outputs=True, round_intermediates=False)
-        assert not torch.equal(rounded[0], exact[0]), name
-        torch.testing.assert_close(rounded[0], exact[0], rtol=0.05, atol=0.05)
+        rounded = problem.run_reference(inputs, dims=dims)
+        exact = problem.run_exact(inputs, dims=dims)
+        assert not torch.equal(rounded[0].double(), exact[0].to(rounded[0].dtype).double()), name
 
 
-def test_fused_residual_normalized_none_recomputes_x_times_rstd():
+def _rms_dx_from_normalized(g, weight, normalized, rstd):
+    """semantics.md version 2's dx, written out: rstd * (gn - mean_H(gn * n) * n), gn = g * weight."""
+    gn = g * weight
+    return rstd * (gn - (gn * normalized).mean(-1, keepdim=True) * normalized)
+
+
+def test_fused_residual_formula_on_independent_inputs():
     problem, dims = PROBLEMS["fused_residual_rmsnorm_backward"], TINY_DIMS["fused_residual_rmsnorm_backward"]
     grad_output, x, normalized, rstd, weight = problem.make_inputs(BATCH, SEQ, seed=5, dims=dims)
-    recomputed = problem.reference(grad_output, x, None, rstd, weight, fp32_outputs=True)
-    given = problem.reference(grad_output, x, x * rstd, rstd, weight, fp32_outputs=True)
+    got = problem.reference(grad_output, x, normalized, rstd, weight)
+    g = grad_output.float()
+    dx = _rms_dx_from_normalized(g, weight, normalized, rstd)
+    torch.testing.assert_close(got[0], dx.to(bf16), rtol=0, atol=0)
+    torch.testing.assert_close(got[2], (g * normalized).sum((0, 1)), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[0], got[1]) and got[0] is not got[1]
+    # x is not read when normalized is given ...
+    assert all(torch.equal(a, b) for a, b in zip(got, problem.reference(grad_output, -x, normalized, rstd, weight)))
+    # ... and normalized=None computes it as x * rstd.
+    recomputed = problem.reference(grad_output, x, None, rstd, weight)
+    given = problem.reference(grad_output, x, x * rstd, rstd, weight)
     for a, b in zip(recomputed, given):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    # With independent inputs the given `normalized` is what grad_weight reads.
-    independent = problem.reference(grad_output, x, normalized, rstd, weight, fp32_outputs=True)
-    assert not torch.allclose(independent[2], given[2])
-    assert torch.equal(independent[0], independent[1]) and independent[0] is not independent[1]
+    assert not torch.allclose(recomputed[2], got[2])
+
+
+def test_qkv_norm_formula_on_independent_inputs():
+    """dq = bf16(rstd * (gqn - mean(gqn * n) * n)), gqn = bf16(g * (1 + w)): checked through the
+    weight gradient dq^T @ hidden, which the reference rounds once."""
+    problem, dims = PROBLEMS["qkv_qknorm_backward"], TINY_DIMS["qkv_qknorm_backward"]
+    inputs = list(problem.make_inputs(BATCH, SEQ, seed=6, dims=dims))
+    names = dict(zip(problem.input_names, range(len(inputs))))
+    inputs[names["q_norm_weight"]] = torch.randn(dims["head_dim"], generator=torch.Generator().manual_seed(1)).to(bf16)
+    v = {n: inputs[i] for n, i in names.items()}
+    got = problem.run_reference(inputs, dims=dims)
+    g, n = v["grad_query"].float(), v["q_normed"].float()
+    gqn = (g * (1 + v["q_norm_weight"].float())).to(bf16).float()
+    dq = _rms_dx_from_normalized(gqn, 1.0, n, v["q_rstd"]).to(bf16)
+    rows = dq.transpose(1, 2).reshape(BATCH * SEQ, -1)
+    want = rows.T @ v["hidden_states"].reshape(BATCH * SEQ, -1)
+    torch.testing.assert_close(got[1], want, rtol=0, atol=0)
+    torch.testing.assert_close(got[4], (g * n).sum((0, 1, 2)), rtol=1e-6, atol=1e-6)
+    # the transposed inputs are not read
+    unread = list(inputs)
+    unread[names["query_transposed"]] = unread[names["key_transposed"]] = None
+    assert all(torch.equal(a, b) for a, b in zip(got, problem.run_reference(unread, dims=dims)))
 
 
 # ---- 087: the scatter --------------------------------------------------------------------
 
 
-def test_embedding_duplicate_ids_sum_in_fp32_and_round_once():
+def _embedding_dx(grad_output, hidden_states, rstd, norm_weight):
+    """087's per-token dx in fp32, written out: xn = x * rstd, gn = g * w."""
+    g = grad_output.float()
+    return _rms_dx_from_normalized(g, norm_weight.float(), hidden_states * rstd, rstd).reshape(-1, g.shape[-1])
+
+
+def test_embedding_formula_duplicate_ids_sum_in_fp32_and_round_once():
     dims = {"vocab": 512, "hidden": 16}
-    grad_output, _, hidden_states, rstd, weight = embedding_rmsnorm.make_inputs(4, 16, seed=6, dims=dims)
+    grad_output, _, hidden_states, rstd, norm_weight = embedding_rmsnorm.make_inputs(4, 16, seed=6, dims=dims)
     run = embedding_rmsnorm.embedding_rmsnorm_backward
-    # Each token on its own row gives the per-token dx in fp32.
+    per_token = _embedding_dx(grad_output, hidden_states, rstd, norm_weight)
     own_rows = torch.arange(64).view(4, 16)
-    per_token = run(grad_output, own_rows, hidden_states, rstd, weight, vocab_size=512, fp32_outputs=True)[0][:64]
+    table, grad_norm_weight = run(grad_output, own_rows, hidden_states, rstd, norm_weight, vocab_size=512)
+    assert torch.equal(table[:64], per_token.to(bf16)) and (table[64:] == 0).all()
+    xn = (hidden_states * rstd).reshape(-1, 16)
+    assert grad_norm_weight.dtype == bf16
+    torch.testing.assert_close(grad_norm_weight, (grad_output.float().reshape(-1, 16) * xn).sum(0).to(bf16),
+                               rtol=0.01, atol=0)
     same = torch.full((4, 16), 7, dtype=torch.int64)
-    table = run(grad_output, same, hidden_states, rstd, weight, vocab_size=512)[0]
+    table = run(grad_output, same, hidden_states, rstd, norm_weight, vocab_size=512)[0]
     assert table.dtype == bf16
     assert torch.equal(table[7], per_token.double().sum(0).to(bf16))
     assert (table[:7] == 0).all() and (table[8:] == 0).all()
@@ -205,14 +253,17 @@ def test_embedding_duplicate_ids_sum_in_fp32_and_round_once():
     for row in per_token:
         in_bf16 = (in_bf16.float() + row).to(bf16)
     assert not torch.equal(in_bf16, table[7])
+    # An fp32 norm_weight gives an fp32 grad_norm_weight.
+    fp32_weight = run(grad_output, same, hidden_states, rstd, norm_weight.float(), vocab_size=512)[1]
+    assert fp32_weight.dtype == fp32
 
 
 def test_embedding_ids_int32_range_and_accumulate():
     dims = TINY_DIMS["embedding_rmsnorm_backward"]
-    grad_output, ids, hidden_states, rstd, weight = embedding_rmsnorm.make_inputs(BATCH, SEQ, seed=7, dims=dims)
+    grad_output, ids, hidden_states, rstd, norm_weight = embedding_rmsnorm.make_inputs(BATCH, SEQ, seed=7, dims=dims)
     run = embedding_rmsnorm.embedding_rmsnorm_backward
-    table, grad_weight = run(grad_output, ids, hidden_states, rstd, weight, vocab_size=12)
-    table32, grad_weight32 = run(grad_output, ids.int(), hidden_states, rstd, weight, vocab_size=12)
+    table, grad_weight = run(grad_output, ids, hidden_states, rstd, norm_weight, vocab_size=12)
+    table32, grad_weight32 = run(grad_output, ids.int(), hidden_states, rstd, norm_weight, vocab_size=12)
     assert torch.equal(table, table32) and torch.equal(grad_weight, grad_weight32)
     untouched = torch.ones(12, dtype=torch.bool)
     untouched[ids.flatten()] = False
@@ -222,12 +273,13 @@ def test_embedding_ids_int32_range_and_accumulate():
         wrong = ids.clone()
         wrong[0, 0] = bad
         with pytest.raises(ValueError, match="input_ids"):
-            run(grad_output, wrong, hidden_states, rstd, weight, vocab_size=12)
+            run(grad_output, wrong, hidden_states, rstd, norm_weight, vocab_size=12)
 
     existing = torch.randn(12, 16, generator=torch.Generator().manual_seed(0)).to(bf16)
     kept = existing.clone()
-    fp32_rows = run(grad_output, ids, hidden_states, rstd, weight, vocab_size=12, fp32_outputs=True)[0]
-    added = run(grad_output, ids, hidden_states, rstd, weight, vocab_size=12, accumulate_into=existing)[0]
+    fp32_rows = torch.zeros(12, 16).index_add_(0, ids.flatten(), _embedding_dx(grad_output, hidden_states, rstd,
+                                                                                norm_weight))
+    added = run(grad_output, ids, hidden_states, rstd, norm_weight, vocab_size=12, accumulate_into=existing)[0]
     assert torch.equal(existing, kept)
     assert torch.equal(added, (existing.float() + fp32_rows).to(bf16))
     assert torch.equal(added[untouched], existing[untouched])
@@ -263,7 +315,9 @@ def test_generator_shapes_dtypes_and_data(name, consistent):
         assert tuple(value.shape) == shape and value.dtype == dtype, input_name
         if value.is_floating_point():
             assert torch.isfinite(value).all(), input_name
-        if value.is_floating_point() and input_name not in ("cos", "sin"):  # RoPE: its own test
+        if input_name.endswith("norm_weight") and name == "qkv_qknorm_backward" and not consistent:
+            assert (value == 1).all(), input_name  # the benchmark's all-ones norm weights
+        elif value.is_floating_point() and input_name not in ("cos", "sin"):  # RoPE: its own test
             # Random data, not zeros or a few distinct values.
             assert value.unique().numel() >= min(value.numel() // 4, 256), input_name
     again = problem.make_inputs(BATCH, SEQ, seed=9, dims=dims, consistent=consistent)
@@ -272,15 +326,24 @@ def test_generator_shapes_dtypes_and_data(name, consistent):
     assert not torch.equal(tensors(inputs)[0], tensors(other)[0])
 
 
-@pytest.mark.parametrize("consistent", [False, True])
-def test_generator_realistic_statistics(consistent):
-    rstd = fused_residual_rmsnorm.make_inputs(8, 64, seed=11, dims={"hidden": 64}, consistent=consistent)[3]
-    assert (rstd > 0).all() and 0.5 < rstd.mean() < 2
+def test_generators_follow_the_benchmarks_rules():
+    """semantics.md version 2: rstd abs(randn) + 0.1 (013, 051), rsqrt(U[0.1, 2.1) + 1e-6) (087),
+    2-D weights randn / sqrt(in); 056 from a forward pass with its own draws."""
+    rstd = fused_residual_rmsnorm.make_inputs(8, 64, seed=11, dims={"hidden": 64})[3]
+    assert rstd.min() >= 0.1 and 0.7 < rstd.mean() < 1.1  # E|randn| + 0.1 = 0.898
+    rstd = embedding_rmsnorm.make_inputs(8, 64, seed=11, dims={"vocab": 50, "hidden": 8})[3]
+    assert (rstd <= 0.1**-0.5 + 1e-3).all() and (rstd >= 2.1**-0.5 - 1e-3).all()
+    q_weight = named_inputs(qkv_qknorm, 1, 4, seed=11)["q_weight"].float()
+    assert 0.9 < q_weight.std() * 640**0.5 < 1.1
 
     dims = TINY_DIMS["decoder_layer_backward"]
-    inputs = named_inputs(decoder_layer, BATCH, 8, seed=11, dims=dims, consistent=consistent)
+    inputs = named_inputs(decoder_layer, BATCH, 8, seed=11, dims=dims)
+    assert 0.015 < inputs["residual"].float().std() < 0.025
+    for name in ("input_ln_weight", "post_attn_ln_weight"):
+        assert (inputs[name].float() - 1).abs().max() < 0.15, name
+    assert 0.9 < inputs["down_weight"].float().std() * (dims["intermediate"] / 2) ** 0.5 < 1.1
     for name in ("variance1", "variance2"):
-        assert (inputs[name] > 0).all() and 0.3 < inputs[name].mean() < 3, name
+        assert (inputs[name] > 0).all(), name
     weights = inputs["attn_weights"].float()
     assert (weights >= 0).all()
     torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]), rtol=0, atol=2e-2)
@@ -288,7 +351,8 @@ def test_generator_realistic_statistics(consistent):
     half = dims["head_dim"] // 2
     assert torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])
     torch.testing.assert_close(cos**2 + sin**2, torch.ones_like(cos), rtol=0, atol=2e-2)
-    assert not torch.equal(cos[0], cos[1])  # each batch row has its own positions
+    assert (cos[:, 0] == 1).all() and (sin[:, 0] == 0).all()  # positions 0..s-1
+    assert not torch.equal(cos[:, 1], cos[:, 0])
 
 
 @pytest.mark.parametrize("consistent", [False, True])
@@ -344,10 +408,10 @@ def mean_sol(name, **options):
 @pytest.mark.parametrize(
     "name, options, seconds",
     [
-        ("fused_residual_rmsnorm_backward", {}, 0.478e-3),
-        ("fused_residual_rmsnorm_backward", {"read_normalized": False}, 0.341e-3),
-        ("qkv_qknorm_backward", {}, 14.7e-6),
-        ("decoder_layer_backward", {}, 3.18e-3),
+        ("fused_residual_rmsnorm_backward", {}, SOL_013),
+        ("embedding_rmsnorm_backward", {}, SOL_087),
+        ("qkv_qknorm_backward", {}, SOL_051),
+        ("decoder_layer_backward", {}, SOL_056),
     ],
 )
 def test_sol_means_match_the_quoted_figures(name, options, seconds):
@@ -356,12 +420,15 @@ def test_sol_means_match_the_quoted_figures(name, options, seconds):
 
 def test_workload_lists():
     assert {n: len(w) for n, w in WORKLOADS.items()} == {
-        "fused_residual_rmsnorm_backward": 16, "embedding_rmsnorm_backward": 12,
+        "fused_residual_rmsnorm_backward": 16, "embedding_rmsnorm_backward": 16,
         "qkv_qknorm_backward": 16, "decoder_layer_backward": 16,
     }  # fmt: skip
     assert len(set(WORKLOADS["decoder_layer_backward"])) == 16
-    # 013's largest moves 18.8 GB (semantics.md).
-    assert fused_residual_rmsnorm_cost(64, 8192)[0] == pytest.approx(18.8e9, rel=0.01)
+    # 013's largest moves 10 bytes an element (semantics.md): 13.4 GB.
+    assert fused_residual_rmsnorm_cost(64, 8192)[0] == pytest.approx(64 * 8192 * 2560 * 10, rel=1e-3)
+    assert all(len(ATOL[name]) == len(WORKLOADS[name]) for name in WORKLOADS)
+    assert atol("qkv_qknorm_backward", 128, 64) == 0.028 and atol("decoder_layer_backward", 128, 1) == 8.1
+    assert atol("fused_residual_rmsnorm_backward", 8000, 64) == 7e-4  # the nearest workload's
     assert [o for _, _, o in cases("embedding_rmsnorm_backward") if o] == [{"same_ids": True}]
 
 
@@ -384,24 +451,20 @@ def test_cost_counts_the_tensors_the_reference_touches(name):
         assert counter.get_total_flops() > 0 and len(unread) == 4
 
 
-def test_cost_options_of_the_two_rmsnorm_problems():
-    dims = TINY_DIMS["fused_residual_rmsnorm_backward"]
-    grad_output, x, normalized, rstd, weight = fused_residual_rmsnorm.make_inputs(BATCH, SEQ, dims=dims)
-    full, _ = fused_residual_rmsnorm_cost(BATCH, SEQ, dims)
-    assert fused_residual_rmsnorm_cost(BATCH, SEQ, dims, read_normalized=False)[0] == full - normalized.numel() * 4
-
+def test_cost_options_of_the_embedding_problem():
     dims = TINY_DIMS["embedding_rmsnorm_backward"]
     grad_output, ids, hidden_states, rstd, weight = embedding_rmsnorm.make_inputs(BATCH, SEQ, seed=15, dims=dims)
     inputs_bytes = sum(t.numel() * t.element_size() for t in (grad_output, ids, hidden_states, rstd, weight))
+    assert weight.dtype == bf16
     distinct = ids.unique().numel()
     assert distinct < BATCH * SEQ  # duplicates, so the distinct count matters
     touched_rows = 2 * distinct * dims["hidden"] * 2  # read and written, bf16
     assert embedding_rmsnorm_cost(BATCH, SEQ, dims, accumulate=True, distinct_ids=distinct) == (
-        inputs_bytes + touched_rows + dims["hidden"] * 4,
+        inputs_bytes + touched_rows + dims["hidden"] * 2,
         0,
     )
     default_distinct = embedding_rmsnorm_cost(BATCH, SEQ, dims, accumulate=True)[0]
     every_token_distinct = 2 * min(BATCH * SEQ, dims["vocab"]) * dims["hidden"] * 2
-    assert default_distinct == inputs_bytes + every_token_distinct + dims["hidden"] * 4
+    assert default_distinct == inputs_bytes + every_token_distinct + dims["hidden"] * 2
     int32 = embedding_rmsnorm_cost(BATCH, SEQ, dims, ids_bytes=4)[0]
     assert embedding_rmsnorm_cost(BATCH, SEQ, dims)[0] - int32 == 4 * BATCH * SEQ

@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import cutebwd
 from cutebwd.kernels import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
 from cutebwd.references import PROBLEMS
-from cutebwd.tools.parity import assert_parity
+from cutebwd.tools.parity import assert_problem
 
 RMS = PROBLEMS["fused_residual_rmsnorm_backward"]
 EMBED = PROBLEMS["embedding_rmsnorm_backward"]
@@ -37,6 +37,8 @@ def test_fake_implementations_give_shapes_and_dtypes():
         go, ids, hs, r, w = _embed_inputs("cuda")
         table, dw = torch.ops.cutebwd.embedding_rmsnorm_backward(go, ids, hs, r, w, 100)
         assert table.shape == (100, 128) and table.dtype == torch.bfloat16 and dw.shape == (128,)
+        assert dw.dtype == torch.float32  # follows norm_weight's dtype
+        assert torch.ops.cutebwd.embedding_rmsnorm_backward(go, ids, hs, r, w.bfloat16(), 100)[1].dtype == torch.bfloat16
 
 
 def test_qkv_fake_implementation():
@@ -127,5 +129,5 @@ def test_residual_rmsnorm_backward_is_013():
         module(hidden, residual).backward(grad_y)
         x = hidden.detach().float() + residual.detach().float()
         rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm.eps)
-        expected = RMS.reference(grad_y, x, x * rstd, rstd, norm.weight.detach(), fp32_outputs=True)
-        assert_parity(RMS.output_names, (hidden.grad, residual.grad, norm.weight.grad), expected, RMS.output_dtypes)
+        inputs = (grad_y, x, x * rstd, rstd, norm.weight.detach())
+        assert_problem(RMS, inputs, (hidden.grad, residual.grad, norm.weight.grad), 2, 211)

@@ -80,3 +80,9 @@ def test_matmul_takes_the_tables_pick(table, monkeypatch):
     assert picked == [GemmTiling.from_spec("128x64")]
     expected = a.float() @ w.float()
     assert relative_error(out, expected) < 1e-2
+
+
+def test_token_counts_from_the_workloads():
+    counts = tune.token_counts("workloads")
+    assert counts == sorted(set(counts)) and 128 in counts and 8192 in counts and 541 * 16 in counts
+    assert tune.token_counts("128,512") == [128, 512]

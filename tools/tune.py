@@ -3,13 +3,15 @@ checked against an fp32 product, then the passing ones are timed turn by turn in
 replay; the fastest goes to layouts/tuned/<arch>.json, which matmul_nt's dispatch reads
 (layouts.gemm.tuned_tiling) before its default rules.
 
-    python -m cutebwd.tools.tune [--tokens 128,512,2048,8192] [--only "dW T=128"]
+    python -m cutebwd.tools.tune [--tokens 128,512,2048,8192 | workloads] [--only "dW T=128"]
                                  [--candidates 128x256c2x1,...] [--resume] [--out PATH] [--seconds 0.3]
 
 Products: a linear layer's backward (dX = dY . W, dW = dY^T . X) at the decoder layer's and
 051's widths (tools/bench_gemm.products). A bucket holds the products whose M and K round up
 to the same powers of two (layouts.gemm.shape_bucket). The table is written after every
-product, so an interrupted run continues with --resume. Progress on stderr.
+product, so an interrupted run continues with --resume. `--tokens workloads` takes the token
+counts of the GEMM problems' benchmark workloads (051, 056; references.workloads). Progress on
+stderr.
 
 The norm kernels (013, 087) have no tunable here: their launch shapes are compile-time
 constants chosen by the sweeps in tools/reports/013-notes.md and 087-notes.md.
@@ -70,9 +72,20 @@ def tune_product(ours_args, default, candidates, seconds: float):
     return {spec: (times.get(spec), errors[spec]) for spec in errors}
 
 
+def token_counts(spec: str) -> list[int]:
+    """T values from --tokens: a comma-separated list, or 'workloads'."""
+    if spec == "workloads":
+        from cutebwd.references.workloads import WORKLOADS
+
+        return sorted({seq * batch for name in ("qkv_qknorm_backward", "decoder_layer_backward")
+                       for seq, batch in WORKLOADS[name]})
+    return [int(t) for t in spec.split(",")]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="128,512,2048,8192", help="comma-separated T values")
+    parser.add_argument("--tokens", default="128,512,2048,8192",
+                        help="comma-separated T values, or 'workloads': those of 051's and 056's workloads")
     parser.add_argument("--only", default="", help="only products whose name contains this")
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated tiling specs")
     parser.add_argument("--seconds", type=float, default=0.3, help="turn-by-turn timing per product")
@@ -96,7 +109,7 @@ def main(argv=None) -> int:
                   "date": datetime.date.today().isoformat(), "method": "graph replay, turn by turn"})
     entries = table.setdefault("entries", {})
     candidates = [(spec, t) for spec in args.candidates.split(",") if (t := runnable(spec, arch)) is not None]
-    chosen = [p for p in products([int(t) for t in args.tokens.split(",")]) if args.only in p[0]]
+    chosen = [p for p in products(token_counts(args.tokens)) if args.only in p[0]]
     generator = torch.Generator(device="cuda").manual_seed(args.seed)
     started = time.perf_counter()
     for i, (name, t, out_features, in_features, product) in enumerate(chosen, 1):
