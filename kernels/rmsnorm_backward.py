@@ -360,11 +360,11 @@ class FusedResidualRmsNormBackward:
         cute.arch.cluster_wait()
 
 
-# The grid's CTAs per SM (4 fit: 128 threads x ~125 registers, <= 56 KB of ring), set by the
-# bytes a row moves: both paths move 10 bytes an element, for which (measured on normalized=None)
-# 3.5 beat 3 by 0.4-2 points on every workload moving >= 256 MB (8192 x 64 lost 0.5), timed as
-# tools/bench times (out=, inputs rotated past L2). 14-byte rows wanted 2.5.
-GRID_CTAS_PER_SM = 3.5
+# The grid's CTAs per SM (4 fit: 128 threads x ~125 registers, <= 56 KB of ring). A whole number
+# keeps every SM's share of the rows equal. Measured on the H200 at H = 2560, 10 bytes an element
+# (us, 8192 x 64 / 4096 x 32 / 1721 x 64): 3 a SM 3289 / 817 / 687; 3.5 3344 / 829 / 696; 4 3316 /
+# 833 / 703; 2.5 3500 / 874 / 734; the ring's depth (2 to 4 rows) changed nothing.
+GRID_CTAS_PER_SM = 3
 
 
 def _fake_args(hidden: int, read_normalized: bool, clusters: int = 0, form: RowForm = RowForm()):
