@@ -5,7 +5,7 @@ import, and `cutebwd.references` needs none of it):
 
     cutebwd.rms_rstd(x, eps=1e-6, *, out=None)     row rsqrt(mean(x^2) + eps), fp32
     cutebwd.fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *, out=None)
-    cutebwd.embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, weight, *,
+    cutebwd.embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm_weight, *,
                                        vocab_size=65536, out=None, accumulate=False)
 
     cutebwd.qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight,
@@ -22,6 +22,12 @@ Subpackages: kernels (device code), layouts (tiling), references (plain PyTorch,
 contract), tools (audit, bench, parity, timing).
 """
 import importlib
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("cutebwd")
+except PackageNotFoundError:  # imported from a source tree that is not installed
+    __version__ = "0+unknown"
 
 # public op -> module that defines it
 _OPS = {
@@ -34,6 +40,10 @@ _OPS = {
 }
 
 __all__ = sorted(_OPS)
+
+
+def __dir__():
+    return sorted({*globals(), *_OPS})
 
 
 def __getattr__(name):

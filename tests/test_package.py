@@ -22,3 +22,8 @@ def test_only_cutebwd_is_installed_at_the_top():
 def test_public_ops_resolve():
     for name in cutebwd.__all__:
         assert callable(getattr(cutebwd, name))
+
+
+def test_dir_lists_the_ops_and_a_version_exists():
+    assert set(cutebwd.__all__) <= set(dir(cutebwd))
+    assert isinstance(cutebwd.__version__, str) and cutebwd.__version__
