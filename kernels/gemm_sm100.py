@@ -449,7 +449,10 @@ class Sm100Gemm:
                     if row < cute.size(tensors[0], mode=[0]) and n < cute.size(tensors[0], mode=[1]):
                         tensors[0][row, n] = row_total
                 done += subtiles
-            # every epilogue warp has read this accumulator buffer: hand it back to the MMA warp
+            # every epilogue warp has read this accumulator buffer: hand it back to the MMA warp.
+            # tcgen05.ld is asynchronous: wait for this thread's loads to finish (tcgen05.wait::ld)
+            # before the barrier, so no load is still reading the buffer the next MMAs overwrite.
+            cute.arch.fence_view_async_tmem_load()
             sync.arrive_and_wait()
             with cute.arch.elect_one():
                 accumulator_ready.consumer_release(drained)
@@ -646,8 +649,9 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", build, (
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", STORE, 3, "k"),
 ))
 # tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read
-# back with LDTM, TMA-store epilogue, no spills, no float atomics, no 2-byte global accesses
-# (the fused epilogues move their [M, N] tensors by TMA, not element by element). Blackwell
-# only: sm_90a has no tcgen05.
-AUDIT_EXPECTS = {"sm_100a": {"require": ["UTCMMA", "UTMALDG", "UTMASTG", "LDTM"],
+# back with LDTM and waited for (tcgen05.wait::ld) before the accumulator goes back to the MMA
+# warp, TMA-store epilogue, no spills, no float atomics, no 2-byte global accesses (the fused
+# epilogues move their [M, N] tensors by TMA, not element by element). Blackwell only: sm_90a
+# has no tcgen05.
+AUDIT_EXPECTS = {"sm_100a": {"require": ["UTCMMA", "UTMALDG", "UTMASTG", "LDTM", "TMEM.WAIT.LD"],
                              "forbid": ["LOCAL", "ATOM/RED.FLOAT", "LDG.16", "STG.16"]}}

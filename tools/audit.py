@@ -30,22 +30,25 @@ from cutebwd.kernels.runtime import ARCHES
 # integer counter's ATOMG.E.ADD.STRONG.GPU or REDG.E.ADD.S32.STRONG.GPU.
 FAMILIES = ("HGMMA", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM", "STTM", "LDG.128", "LDG.64",
             "LDG.32", "LDG.16", "LDG.8", "STG.128", "STG.64", "STG.32", "STG.16", "STG.8",
-            "LDGSTS", "LDS", "STS", "SHFL", "ATOM/RED", "ATOM/RED.FLOAT", "LOCAL", "HGMMA.SERIAL")
+            "LDGSTS", "LDS", "STS", "SHFL", "ATOM/RED", "ATOM/RED.FLOAT", "LOCAL", "HGMMA.SERIAL",
+            "TMEM.WAIT.LD")
 # HGMMA.SERIAL counts warpgroup-MMA waits for zero pending MMAs right before the next MMA
 # (WARPGROUP.DEPBAR.LE gsb0, 0x0 then WARPGROUP.ARRIVE / HGMMA): ptxas serializes the MMAs
 # that way when it cannot prove their registers safe (its C7520 "Potential Performance Loss"
 # note, e.g. MMAs under a branch it takes for divergent), which halves a warpgroup's rate.
+# TMEM.WAIT.LD counts tcgen05.wait::ld in the PTX (in SASS it is a plain scoreboard wait): a
+# Blackwell epilogue must wait for its tensor-memory loads before handing the accumulator back.
 
 # Hardware limits (CUDA C++ Programming Guide, technical specifications for compute capability
 # 9.0 and 10.0). A build over one of them compiles here and fails at launch on the GPU.
 MAX_REGISTERS_PER_THREAD = 255
 # Shared memory per CTA, static + dynamic: 228 KB per SM less the 1 KB the system reserves per
 # CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin; the DSL's own check uses the same figure).
-MAX_SMEM_BYTES = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
+MAX_SMEM_BYTES = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_103a": 227 * 1024}
 SMEM_RESERVED_BYTES = 1024  # that reservation; ptxas counts it into the cubin's static size
 # Tensor memory (Blackwell only): 512 columns x 128 lanes per SM; tcgen05.alloc takes a power
 # of two from 32 to 512 columns.
-MAX_TMEM_COLUMNS = {"sm_100a": 512}
+MAX_TMEM_COLUMNS = {"sm_100a": 512, "sm_103a": 512}
 MIN_TMEM_COLUMNS = 32
 # CTAs per cluster. 16 launch only with the non-portable opt-in (the DSL sets it on every
 # kernel) and only on some parts, so anything above the portable 8 counts as a violation, unless
@@ -294,6 +297,8 @@ def audit_build(build, arch: str, nvdisasm: str, keep_dir: str | None = None) ->
             f.write(cubin)
         sass = subprocess.run([nvdisasm, "-c", path], check=True, capture_output=True, text=True).stdout
     opcodes, families = count_instructions(sass)
+    if waits := compiled.artifacts.PTX.count("tcgen05.wait::ld"):
+        families["TMEM.WAIT.LD"] = waits
     target = re.search(r"EF_CUDA_SM(\d+)|\.target\s+sm_(\d+)", sass)
     resources = cubin_resources(cubin)
     for kernel, found in ptx_resources(compiled.artifacts.PTX).items():
