@@ -40,13 +40,16 @@ Where this first version leaves the plan (each measured in the closing notes, no
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..layouts.gemm import GemmTiling
 from ..references import decoder_layer as contract
+from ..references.inputs import model_dims
 from . import padded_rows, rmsnorm_backward
-from .gemm import matmul_nt
-from .gemm_batched import matmul_nt_batched
+from .epilogue import DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD
+from .gemm import GemmCall, matmul_nt
+from .gemm_batched import matmul_nt_batched, summed_k
 from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
 
 # The contract's tensor inputs in signature order (eps follows them) and its outputs.
@@ -191,6 +194,39 @@ def _backward(args, eps, dims, outs):
                                             variance1, eps, input_ln_weight, g_attn, grad_input,
                                             grad_input_ln_weight)
     return outs
+
+
+def gemm_calls(batch: int, seq: int, dims: dict | None = None) -> list[GemmCall]:
+    """The GEMM core's calls of `_backward` at (batch, seq) with the model's dims (semantics.md's,
+    or `dims` overriding some), in its order, from shapes alone: what the audit compiles for a
+    GPU's first call. tests/test_dispatch.py holds them to the calls `_backward` makes."""
+    dims = model_dims(contract.DIMS, dims)
+    hidden, d, inter = dims["hidden"], dims["head_dim"], dims["intermediate"]
+    q_heads, kv_heads = dims["q_heads"], dims["kv_heads"]
+    tokens, group = batch * seq, q_heads // kv_heads
+    if tokens == 0:
+        return []
+    low, high = SHORT_SUMMED_TOKENS
+    heads, kv_sums = dict(batches=batch * q_heads, batched=1), dict(batches=batch * kv_heads, batched=group)
+    softmax_bwd = dataclasses.replace(SOFTMAX_BWD, alpha=1 / math.sqrt(d))
+    # (A K-major?, B K-major?): weights and the attention's second operands are read transposed
+    return [
+        GemmCall(tokens, inter, hidden, True, False, epilogue=DSWIGLU),  # 1: g_sw -> g_gate, g_up
+        GemmCall(hidden, inter, tokens, False, False),  # 2: grad_down_weight
+        GemmCall(tokens, hidden, 2 * inter, True, False, "float32", products=2, stack="k",
+                 tiling=SHORT_SUMMED if low <= tokens <= high else None),  # 3: g_ffn
+        GemmCall(2 * inter, hidden, tokens, False, False, products=2),  # 4: grad_gate/up_weight
+        GemmCall(seq, d, seq, True, False, **heads),  # 6: P . v
+        GemmCall(tokens, q_heads * d, hidden, True, False, epilogue=ROW_DOT, group_n=d),  # 6: g_ao, D
+        GemmCall(hidden, q_heads * d, tokens, False, False),  # 7: grad_o_weight
+        GemmCall(seq, d, summed_k(seq, group), False, False, **kv_sums),  # 11: dv
+        GemmCall(seq, seq, d, True, True, epilogue=softmax_bwd, **heads),  # 8: g_s
+        GemmCall(seq, d, seq, True, False, epilogue=ROPE_INVERSE, group_n=d, **heads),  # 9: dq
+        GemmCall(seq, d, summed_k(seq, group), False, False, epilogue=ROPE_INVERSE, group_n=d, **kv_sums),  # 10: dk
+        GemmCall(tokens, hidden, (q_heads + 2 * kv_heads) * d, True, False, "float32", products=3,
+                 stack="k"),  # 12: g_ai
+        GemmCall((q_heads + 2 * kv_heads) * d, hidden, tokens, False, False, products=3),  # 13: grad_q/k/v_weight
+    ]
 
 
 def _tma_rows(scores):

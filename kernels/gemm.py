@@ -4,8 +4,9 @@ bf16 operands, fp32 accumulation, bf16 or fp32 C.
 Per architecture only the main loop and the accumulator's home differ (gemm_sm90: warpgroup
 MMAs into registers; gemm_sm100: tcgen05 MMAs into tensor memory). Shared here, one
 implementation for both:
-- the host wrapper `matmul_nt`: argument checks, the tiling (layouts.gemm), the per-shape
-  call cache, the stream-K plan and its per-stream workspace, dispatch on the GPU's arch;
+- the host wrapper `matmul_nt`: argument checks, the tiling (GemmCall.tiling_on: layouts.gemm's
+  rules on the GPU's arch and SM count, which the audit calls with no GPU), the per-shape call
+  cache, the stream-K plan and its per-stream workspace, dispatch on the GPU's arch;
 - the device-side schedule (`work`, `unit`, `owner`, `cta_tile`): cluster tiles in grouped
   order, whole waves data-parallel, the ragged tail hybrid stream-K (layouts.gemm);
 - the epilogue pieces: `store_piece` (registers -> C type -> shared memory -> TMA store) and
@@ -15,6 +16,7 @@ implementation for both:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import cutlass
 import cutlass.cute as cute
@@ -22,6 +24,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import MIN_K_TILES, GemmTiling, default_tiling, even_clusters, stream_k_count, stream_k_plan, \
     stream_k_range, stream_k_segment, tile_coord, tuned_tiling
+from ..layouts.gpus import Gpu
 from . import runtime
 from .epilogue import ADD, KINDS, STORE, Epilogue, check_epilogue_tensors
 from .rows import VECTOR, wide_copy  # a partial tile moves VECTOR fp32 accumulators per 16-byte access
@@ -90,7 +93,7 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
         d = cute.sym_int32()
         inputs = [tensor(BFloat16, (m, d), (cute.sym_int64(divisibility=8), 1), 16) for _ in epilogue.tables]
         inputs += [None] * (EPILOGUE_INPUTS - len(inputs))
-    schedule = (partials, flags, Int32(132), Int32(0), Int32(0))
+    schedule = (partials, flags, Int32(1), Int32(0), Int32(0))
     if products > 1 and stack == "k":
         ks = [cute.sym_int32() for _ in range(products)] + [None] * (3 - products)
 
@@ -142,22 +145,12 @@ def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool,
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
-def audit_builds(family: str, build, cases):
+def audit_builds(family: str, cases):
     """The audit's named builds of an arch's main loop: cases are (tiling, A K-major?, B
-    K-major?, C dtype[, epilogue[, products in a group[, stack "m" or "k"[, batched]]]]); a
-    tiling is named by its `spec`, as bench_gemm names it; batched as compile_gemm takes it."""
-    builds = {}
-    for t, ak, bk, c, *rest in cases:
-        epilogue, products = rest[0] if rest else STORE, rest[1] if len(rest) > 1 else 1
-        stack = rest[2] if len(rest) > 2 else "m"
-        batched = len(rest) > 3 and rest[3]
-        name = f"{family}[{t.spec},A {'K' if ak else 'M'}-major,B {'K' if bk else 'N'}-major,C {c}" \
-               + ("" if epilogue is STORE else f",epilogue {epilogue.name}") \
-               + ("" if products == 1 else f",{products} products {'summed' if stack == 'k' else 'stacked'}") \
-               + ("]" if not batched else ",batched]" if batched == 1 else f",batch sums of {batched}]")
-        builds[name] = lambda arch, dump_dir, t=t, ak=ak, bk=bk, c=c, e=epilogue, g=products, s=stack, b=batched: \
-            build(t, ak, bk, c, arch, dump_dir, e, g, s, b)
-    return builds
+    K-major?, C dtype[, epilogue[, products in a group[, stack "m" or "k"[, batched]]]]), as
+    GemmBuild takes them."""
+    builds = (GemmBuild(*case) for case in cases)
+    return {family + build.name: build.compile for build in builds}
 
 
 class SummedEntry:
@@ -442,7 +435,75 @@ def await_partial(flags, slot, thread, sync):
 
 # -- host wrapper --------------------------------------------------------------------------
 
-_ARCH_MODULES = {"sm_90a": ".gemm_sm90", "sm_100a": ".gemm_sm100"}  # the per-arch main loops
+# The per-arch main loops: Hopper's warpgroup MMAs, Blackwell's tcgen05 (B200 and B300 alike).
+_ARCH_MODULES = {"sm_90a": ".gemm_sm90", "sm_100a": ".gemm_sm100", "sm_103a": ".gemm_sm100"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmBuild:
+    """One compiled kernel of the GEMM core: what its compile key names (compile_gemm). The
+    tiling's split_k is the host's schedule, not the kernel's, so a build never carries it."""
+    tiling: GemmTiling
+    a_k_major: bool
+    b_k_major: bool
+    c_dtype: str = "bfloat16"
+    epilogue: Epilogue = STORE
+    products: int = 1  # 2 or 3: a group sharing B (stack "m") or a sum into one C (stack "k")
+    stack: str = "m"
+    batched: int = 0  # 0: one product; 1: a batch; G > 1: a batch of sums over G products
+
+    def compile(self, arch: str, dump_dir=None):
+        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
+        return module.build(self.tiling, self.a_k_major, self.b_k_major, self.c_dtype, arch, dump_dir, self.epilogue,
+                            self.products, self.stack, self.batched)
+
+    @property
+    def name(self) -> str:
+        """As the audit names it, after its family: the tiling's spec, then what else differs."""
+        t, epilogue, batched = self.tiling, self.epilogue, self.batched
+        return (f"[{t.spec},A {'K' if self.a_k_major else 'M'}-major,B {'K' if self.b_k_major else 'N'}-major,"
+                f"C {self.c_dtype}" + ("" if epilogue is STORE else f",epilogue {epilogue.name}")
+                + ("" if self.products == 1 else f",{self.products} products "
+                   f"{'summed' if self.stack == 'k' else 'stacked'}")
+                + ("]" if not batched else ",batched]" if batched == 1 else f",batch sums of {batched}]"))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCall:
+    """One call of the GEMM core as dispatch sees it: what picks its tiling and its build, and
+    nothing else of the tensors. A wrapper makes it from the tensors on a shape's first call;
+    an op's listing of its products (decoder_layer_backward.gemm_calls) makes it from shapes,
+    so the audit compiles what a GPU's first call builds."""
+    m: int  # C's rows (a group sharing B: its products' rows together)
+    n: int
+    k: int  # what the tiling rules see: a sum's K, its terms' together (a batch of sums: in k-tiles)
+    a_k_major: bool
+    b_k_major: bool
+    c_dtype: str = "bfloat16"
+    epilogue: Epilogue = STORE
+    group_n: int | None = None  # row sums' or tables' column group: the tile width
+    batches: int = 1  # a batch's outputs
+    batched: int = 0  # as GemmBuild's
+    products: int = 1
+    stack: str = "m"
+    tiling: GemmTiling | None = None  # asked for by the caller
+
+    def tiling_on(self, gpu: Gpu) -> GemmTiling:
+        """The tiling dispatch picks on `gpu`: the one asked for; else for a single plain product
+        the tuner's pick for its bucket, for a group sharing B the stacked product's (no cluster
+        fitting: its stacked rows are whole cluster tiles per product), else the rules'."""
+        m, n, k, arch = self.m, self.n, self.k, gpu.arch
+        if self.products > 1 and self.stack == "m":
+            return self.tiling or tuned_tiling(m, n, k, self.a_k_major, self.b_k_major, arch) \
+                or default_tiling(m, n, k, gpu)
+        single = self.products == 1 and not self.batched and self.epilogue is STORE
+        tuned = tuned_tiling(m, n, k, self.a_k_major, self.b_k_major, arch) if single and not self.tiling else None
+        return choose_tiling(self.tiling, m, n, k, gpu, self.epilogue, self.group_n, batches=self.batches,
+                             tuned=tuned, summed=max(1, self.batched))
+
+    def build(self, tiling: GemmTiling) -> GemmBuild:
+        return GemmBuild(dataclasses.replace(tiling, split_k=False), self.a_k_major, self.b_k_major, self.c_dtype,
+                         self.epilogue, self.products, self.stack, self.batched)
 
 
 class _StreamKWorkspace(runtime.StreamWorkspace):
@@ -528,29 +589,22 @@ class _Call:
         self.out_dtype, self.device = out_dtype, device
 
 
-def _device_arch(device) -> str:
-    """The device's arch, if the GEMM core has a build for it."""
-    arch = runtime.device_arch(device.index)
-    if arch not in _ARCH_MODULES:
-        raise NotImplementedError(f"the GEMM core has no build for {arch} (sm_90a and sm_100a only)")
-    return arch
+def _device_gpu(device) -> Gpu:
+    """The device's arch and SM count, if the GEMM core has a build for its arch."""
+    gpu = runtime.device_gpu(device.index)
+    if gpu.arch not in _ARCH_MODULES:
+        raise NotImplementedError(f"the GEMM core has no build for {gpu.arch} ({', '.join(_ARCH_MODULES)} only)")
+    return gpu
 
 
-def _kernel(arch: str, device, chosen: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str,
-            epilogue: Epilogue = STORE, products: int = 1, stack: str = "m", batched: int = 0):
-    """(TVM-FFI function, clusters the GPU holds at once) of the build for `chosen`, compiled once
-    per key (the whole epilogue is in it, softmax_bwd's alpha included); split_k is the host's
-    schedule alone, so it is not part of the build."""
-    kernel_tiling = dataclasses.replace(chosen, split_k=False)
-    key = (kernel_tiling, a_k_major, b_k_major, c_dtype, device.index, epilogue, products, stack, batched)
+def _kernel(arch: str, device, build: GemmBuild):
+    """(TVM-FFI function, clusters the GPU holds at once) of `build`, compiled once per device
+    (the whole epilogue is in it, softmax_bwd's alpha included)."""
+    key = (build, device.index)
     if key not in _compiled:
-        import importlib
-
-        module = importlib.import_module(_ARCH_MODULES[arch], __package__)
-        build = module.build(kernel_tiling, a_k_major, b_k_major, c_dtype, arch, None, epilogue, products, stack,
-                             batched)
-        _compiled[key] = (runtime.ffi_function(build),
-                          runtime.max_clusters(device, chosen.cluster_m * chosen.cluster_n))
+        tiling = build.tiling
+        _compiled[key] = (runtime.ffi_function(build.compile(arch)),
+                          runtime.max_clusters(device, tiling.cluster_m * tiling.cluster_n))
     return _compiled[key]
 
 
@@ -560,28 +614,28 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), ou
 
     _check_call(a, b, out, c_dtype, epilogue, inputs, out2, rows)
     (m, k), n = a.shape, b.shape[0]
-    arch = _device_arch(a.device)
+    gpu = _device_gpu(a.device)
     a_k_major, b_k_major = _k_major(a, "a"), _k_major(b, "b")
     group_n = n // rows.shape[1] if epilogue.row_sums else inputs[0].shape[1] if epilogue.tables else None
-    # plain products: the tuner's pick for the shape bucket where it has one
-    tuned = tuned_tiling(m, n, k, a_k_major, b_k_major, arch) if tiling is None and epilogue is STORE else None
-    chosen = choose_tiling(tiling, m, n, k, arch, epilogue, group_n, tuned=tuned)
+    product = GemmCall(m, n, k, a_k_major, b_k_major, c_dtype, epilogue, group_n, tiling=tiling)
+    chosen = product.tiling_on(gpu)
     call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue.name, rows, epilogue.alpha, inputs)] = _Call(
-        *_kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, epilogue), chosen, m, n, k, a.device,
-        stream_k, getattr(torch, c_dtype))
+        *_kernel(gpu.arch, a.device, product.build(chosen)), chosen, m, n, k, a.device, stream_k,
+        getattr(torch, c_dtype))
     return call
 
 
-def choose_tiling(tiling, m: int, n: int, k: int, arch: str, epilogue: Epilogue, group_n,
+def choose_tiling(tiling, m: int, n: int, k: int, gpu: Gpu, epilogue: Epilogue, group_n,
                   batches: int = 1, tuned: GemmTiling | None = None, summed: int = 1) -> GemmTiling:
-    """The tiling asked for, as it is; else the tuner's pick or the default one (for a batch
-    of `batches` products), its cluster fitted to M's tile count (layouts.gemm.even_clusters).
-    An epilogue that works per column group (row sums, tables: `group_n` columns) needs tiles
-    exactly one group wide."""
-    chosen = tiling or even_clusters(tuned or default_tiling(m, n, k, arch, fused=len(epilogue.inputs),
-                                                             group_n=group_n, batches=batches, summed=summed),
-                                     m, n, arch)
+    """The tiling asked for, as it is; else the tuner's pick or the default one on `gpu` (for a
+    batch of `batches` products), its cluster fitted to M's tile count
+    (layouts.gemm.even_clusters). An epilogue that works per column group (row sums, tables:
+    `group_n` columns) needs tiles exactly one group wide."""
+    chosen = tiling or even_clusters(tuned or default_tiling(m, n, k, gpu, fused=len(epilogue.inputs),
+                                                             group_n=group_n, batches=batches, summed=summed,
+                                                             side_tensors=epilogue.side_tensors),
+                                     m, n, gpu.arch)
     if group_n and chosen.tile_n != group_n:
         raise ValueError(f"tiling {chosen.spec}: the {epilogue.name!r} epilogue works per tile, so tile_n must be "
                          f"the column group (row sums: N / rows.shape[1]; tables: their width) = {group_n}")

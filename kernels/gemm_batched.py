@@ -16,7 +16,7 @@ from __future__ import annotations
 import types
 
 from ..layouts.gemm import GemmTiling
-from .gemm import (ADD_NEEDS_OUT, _Call, _check_call, _device_arch, _epilogue_key, _epilogue_kind, _kernel, choose_tiling,
+from .gemm import (ADD_NEEDS_OUT, GemmCall, _Call, _check_call, _device_gpu, _epilogue_key, _epilogue_kind, _kernel,
                    run_call)
 from .gemm_grouped import stacked_k
 
@@ -95,18 +95,22 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
         return types.SimpleNamespace(out_dtype=getattr(torch, c_dtype), device=a.device)
     _, _, m, k = a.shape
     n = b.shape[2]
-    arch = _device_arch(a.device)
+    gpu = _device_gpu(a.device)
     a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
-    # a sum's K, as its tiles' loops and the schedule count it: its products' k-tiles end to end
-    # (every tiling's tile_k is the default's)
-    k_sum = stacked_k((k,) * group_sum, GemmTiling()) if group_sum > 1 else k
-    chosen = choose_tiling(tiling, m, n, k_sum, arch, kind, inputs[0].shape[-1] if kind.tables else None,
-                           batches=batches, summed=group_sum)
-    run = _kernel(arch, a.device, chosen, a_k_major, b_k_major, c_dtype, kind, batched=group_sum)
+    product = GemmCall(m, n, summed_k(k, group_sum), a_k_major, b_k_major, c_dtype, kind,
+                       inputs[0].shape[-1] if kind.tables else None, batches=batches, batched=group_sum, tiling=tiling)
+    chosen = product.tiling_on(gpu)
+    run = _kernel(gpu.arch, a.device, product.build(chosen))
     call = _calls[batches, m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
                   _epilogue_key(epilogue, rows, alpha, inputs), group_sum] = _Call(
-        *run, chosen, m, n, k_sum, a.device, stream_k, getattr(torch, c_dtype), batches=batches)
+        *run, chosen, m, n, product.k, a.device, stream_k, getattr(torch, c_dtype), batches=batches)
     return call
+
+
+def summed_k(k: int, group_sum: int) -> int:
+    """A batch sum's K, as its tiles' loops and the schedule count it: its products' k-tiles end
+    to end (every tiling's tile_k is the default's)."""
+    return stacked_k((k,) * group_sum, GemmTiling()) if group_sum > 1 else k
 
 
 def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_sum=1):

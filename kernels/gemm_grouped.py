@@ -10,9 +10,8 @@ concatenation copy), in one persistent launch of the GEMM core:
 """
 from __future__ import annotations
 
-from ..layouts.gemm import GemmTiling, default_tiling, tuned_tiling
-from .epilogue import STORE
-from .gemm import _Call, _check, _device_arch, _k_major, _kernel, choose_tiling
+from ..layouts.gemm import GemmTiling
+from .gemm import GemmCall, _Call, _check, _device_gpu, _k_major, _kernel
 
 _calls: dict = {}  # (Ms, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> _Call
 
@@ -95,19 +94,14 @@ def _resolve(a_list, b, outs, tiling, c_dtype, stream_k):
 
     _check_all(a_list, b, outs)
     ms, (n, k) = tuple(a.shape[0] for a in a_list), b.shape
-    arch = _device_arch(b.device)
+    gpu = _device_gpu(b.device)
     a_k_major, b_k_major = _k_major(a_list[0], "a_list[0]"), _k_major(b, "b")
-    chosen = tiling or stacked_tiling(ms, n, k, a_k_major, b_k_major, arch)
-    run = _kernel(arch, b.device, chosen, a_k_major, b_k_major, c_dtype, products=len(a_list), stack="m")
+    product = GemmCall(sum(ms), n, k, a_k_major, b_k_major, c_dtype, products=len(a_list), stack="m", tiling=tiling)
+    chosen = product.tiling_on(gpu)
+    run = _kernel(gpu.arch, b.device, product.build(chosen))
     call = _calls[ms, n, k, a_k_major, b_k_major, c_dtype, b.device.index, tiling, stream_k] = _Call(
         *run, chosen, stacked_rows(ms, chosen), n, k, b.device, stream_k, getattr(torch, c_dtype))
     return call
-
-
-def stacked_tiling(ms, n: int, k: int, a_k_major: bool, b_k_major: bool, arch: str) -> GemmTiling:
-    """A group's tiling where none is asked for: the tuner's pick for the stacked product's
-    bucket (as for one product: layouts.gemm.tuned_tiling), else the rules'."""
-    return tuned_tiling(sum(ms), n, k, a_k_major, b_k_major, arch) or default_tiling(sum(ms), n, k, arch)
 
 
 def stacked_rows(ms, tiling: GemmTiling) -> int:
@@ -200,10 +194,11 @@ def _resolve_summed(pairs, out, tiling, c_dtype, stream_k):
     _check_terms(pairs, out)
     ks = tuple(a.shape[1] for a, _ in pairs)
     (m, _), n, device = pairs[0][0].shape, pairs[0][1].shape[0], pairs[0][0].device
-    arch = _device_arch(device)
+    gpu = _device_gpu(device)
     a_k_major, b_k_major = _k_major(pairs[0][0], "pairs[0][0]"), _k_major(pairs[0][1], "pairs[0][1]")
-    chosen = choose_tiling(tiling, m, n, sum(ks), arch, STORE, None)
-    run = _kernel(arch, device, chosen, a_k_major, b_k_major, c_dtype, products=len(pairs), stack="k")
+    product = GemmCall(m, n, sum(ks), a_k_major, b_k_major, c_dtype, products=len(pairs), stack="k", tiling=tiling)
+    chosen = product.tiling_on(gpu)
+    run = _kernel(gpu.arch, device, product.build(chosen))
     call = _summed_calls[ks, m, n, a_k_major, b_k_major, c_dtype, device.index, tiling, stream_k] = _Call(
         *run, chosen, m, n, stacked_k(ks, chosen), device, stream_k, getattr(torch, c_dtype))
     return call

@@ -665,7 +665,7 @@ def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "
                         products, stack, batched)
 
 
-AUDIT_BUILDS = audit_builds("gemm_sm90", build, (
+AUDIT_BUILDS = audit_builds("gemm_sm90", (
     (GemmTiling(), True, False, "bfloat16"),
     (GemmTiling(tile_n=256), False, False, "bfloat16"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),

@@ -36,10 +36,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from ..layouts.gemm import H200_SMS, GemmTiling, default_tiling
+from ..layouts.gemm import GemmTiling, default_tiling
+from ..layouts.gpus import GPUS, Gpu
 from . import runtime
 from .epilogue import STORE
-from .gemm import _ARCH_MODULES, BARRIER_WORDS, NO_EPILOGUE_TENSORS, _Call, _device_arch
+from .gemm import _ARCH_MODULES, BARRIER_WORDS, NO_EPILOGUE_TENSORS, _Call, _device_gpu
 from .gemm_grouped import stacked_k, stacked_rows
 from .column_sum import ColumnSumsInWarps
 from .qk_norm_rows import MAX_HEAD_DIM, VECTOR, QkNormBackward
@@ -198,35 +199,36 @@ def paired_clusters(arch: str, summed: GemmTiling, grouped: GemmTiling, rows: in
     return idle_ctas if idle_ctas > 0 and 2 * idle_ctas >= grouped.cluster_tiles(rows, hidden) else None
 
 
-def h200_pairing(tokens: int, hidden: int, widths, arch: str):
-    """(summed tiling, grouped tiling, paired_clusters' answer) at `tokens` on an H200 (132 SMs),
-    for builds and checks made without the device (the audit's, the tests')."""
-    summed = summed_tiling(tokens, hidden, sum(widths), arch)
-    grouped = grouped_tiling(tokens, hidden, sum(widths), arch)
-    busy = min(H200_SMS, summed.cluster_tiles(tokens, hidden) * summed.cluster_m * summed.cluster_n)
-    return summed, grouped, paired_clusters(arch, summed, grouped, stacked_rows(widths, grouped), hidden,
-                                            H200_SMS - busy)
+def pairing(tokens: int, hidden: int, widths, gpu: Gpu):
+    """(summed tiling, grouped tiling, paired_clusters' answer) at `tokens` on `gpu`: what a
+    call picks (_Plan), and what the audit compiles without the device. Pairs are one CTA a
+    cluster (paired_clusters), so the summed product's grid is one CTA an SM."""
+    summed = summed_tiling(tokens, hidden, sum(widths), gpu)
+    grouped = grouped_tiling(tokens, hidden, sum(widths), gpu)
+    busy = min(gpu.sms, summed.cluster_tiles(tokens, hidden) * summed.cluster_m * summed.cluster_n)
+    return summed, grouped, paired_clusters(gpu.arch, summed, grouped, stacked_rows(widths, grouped), hidden,
+                                            gpu.sms - busy)
 
 
-def summed_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
+def summed_tiling(tokens: int, hidden: int, width: int, gpu: Gpu) -> GemmTiling:
     """grad_hidden's tiling: the GEMM core's rules, but for two bands measured better."""
-    if arch == "sm_90a" and tokens <= 256:
+    if gpu.arch == "sm_90a" and tokens <= 256:
         # 64 x 64 tiles: twice the CTAs on grad_hidden, and the idle ones still take the
         # weight gradients paired (paired_clusters). H200 (session 28, graph replay): 1x131
         # 12.72 -> 11.86 us, 2x128 12.55 -> 11.93; at 4x128 (80 CTAs, too few idle to pair)
         # 14.12 -> 15.73, so not there. Not a shorter K loop per CTA: clock stamps of one call
         # put each k-tile at ~150-165 ns with either tile (the gain is not explained yet).
         return GemmTiling(tile_m=64, tile_n=64)
-    if arch == "sm_90a" and 3072 <= tokens < 6144 and hidden % 160 == 0:
+    if gpu.arch == "sm_90a" and 3072 <= tokens < 6144 and hidden % 160 == 0:
         # Swept on the H200 (session 14, graph replay, Gemma-3-270m dims): at T = 4096 the
         # rules' 128x128c2x1p took 18.7 us and 128 x 160 tiles in 2 x 1 clusters 14.0 (four
         # column tiles of N = 640: 32 x 4 = 128 tiles, one wave); at T = 2048 and 8192 the
         # rules' picks were within 2% of the best.
         return GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
-    return default_tiling(tokens, hidden, width, arch)
+    return default_tiling(tokens, hidden, width, gpu)
 
 
-def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTiling:
+def grouped_tiling(tokens: int, hidden: int, width: int, gpu: Gpu) -> GemmTiling:
     """The weight gradients' tiling: the GEMM core's rules (64 x 128 tiles for these ~1M-element
     results), but from T = 3072 on sm_90a the same tiles in 4 x 1 clusters (hidden_states, the
     shared B, multicast to four CTAs: a quarter of its L2 reads; cuBLAS's pick for this product,
@@ -237,16 +239,16 @@ def grouped_tiling(tokens: int, hidden: int, width: int, arch: str) -> GemmTilin
     - session 29, the product alone: 4 x 1 clusters 15.1 / 31.1 against 16.5 / 30.9 for 2 x 1
       (cuBLAS 12.9 / 26.3); the whole op at 4096 / 8192 / 541 x 16: 45.18 / 81.74 / 87.71
       against 46.44 / 82.01 / 88.48."""
-    if arch == "sm_90a" and tokens >= 3072:
+    if gpu.arch == "sm_90a" and tokens >= 3072:
         return GemmTiling(tile_m=64, cluster_m=4)
-    return default_tiling(width, hidden, tokens, arch)
+    return default_tiling(width, hidden, tokens, gpu)
 
 
 def _audit_build(tokens: int):
-    """Gemma-3-270m's dims with the tilings the arch's rules pick at `tokens`, paired as on the
-    H200 (132 SMs)."""
+    """Gemma-3-270m's dims with the tilings the arch's GPU (an H200, a B200) picks at `tokens`."""
     def build(arch, dump_dir):
-        summed, grouped, idle = h200_pairing(tokens, 640, (1024, 256, 256), arch)
+        gpu = next(g for g in GPUS.values() if g.arch == arch)
+        summed, grouped, idle = pairing(tokens, 640, (1024, 256, 256), gpu)
         return _build(256, 4, 640, summed, grouped, arch, dump_dir, idle is not None)
     return build
 
@@ -295,8 +297,8 @@ class _Entry:
         import torch
 
         self.device, self.head_dim, self.q_heads = device, head_dim, q_heads
-        self.arch = _device_arch(device)
-        self.max_ctas = torch.cuda.get_device_properties(device).multi_processor_count  # the widest grid
+        self.gpu = _device_gpu(device)
+        self.max_ctas = self.gpu.sms  # the widest grid
         # per stream, one lookup a call: the norm grid's partial rows, the grid barrier's
         # counters and the dq/dk buffer
         self.scratch = _Scratch(self.max_ctas, 2 * head_dim, device)
@@ -340,8 +342,7 @@ class _Plan:
         self.dqk_elements = tokens * sum(widths[:2])
         if tokens == 0:  # no launch: the call zeroes the outputs
             return
-        summed = summed_tiling(tokens, hidden, sum(widths), entry.arch)
-        grouped = grouped_tiling(tokens, hidden, sum(widths), entry.arch)
+        summed, grouped, idle = pairing(tokens, hidden, widths, entry.gpu)
 
         def schedule(tiling, m, k, clusters=None):
             clusters = clusters or entry.max_clusters(tiling.cluster_m * tiling.cluster_n)
@@ -352,10 +353,8 @@ class _Plan:
         # (all resident: its prologue ends at a grid barrier)
         size = summed.cluster_m * summed.cluster_n
         self.grid = entry.max_clusters(size) * size
-        idle = paired_clusters(entry.arch, summed, grouped, stacked_rows(widths, grouped), hidden,
-                               self.grid - self.summed.ctas)
         self.grouped = schedule(grouped, stacked_rows(widths, grouped), tokens, idle)
-        self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.arch,
+        self.run = runtime.ffi_function(_build(d, entry.q_heads, hidden, summed, grouped, entry.gpu.arch,
                                                paired=idle is not None))
 
 

@@ -20,26 +20,35 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr, nullptr
 from cutlass.cute.typing import AddressSpace
 
+from ..layouts.gpus import Gpu
 from . import disk_cache
 
-ARCHES = ("sm_90a", "sm_100a")
+# Compute capability -> the CuTe DSL target built for it. An `a` target's cubin loads only on its
+# exact capability (sm_100a code does not run on a B300, 10.3), so each GPU gets its own.
+ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+ARCHES = tuple(ARCH_OF_CAPABILITY.values())
 
 _compiled: dict[Hashable, Any] = {}
 
 
 @functools.lru_cache(maxsize=None)
-def device_arch(device_index: int) -> str:
-    """The CuTe DSL arch string for a CUDA device: sm_90a on Hopper, sm_100a on Blackwell."""
+def device_gpu(device_index: int) -> Gpu:
+    """A CUDA device's arch and SM count, what dispatch reads off it; a GPU no target is built
+    for raises RuntimeError naming it."""
     import torch
 
-    major, minor = torch.cuda.get_device_capability(device_index)
-    if major == 9:
-        return "sm_90a"
-    if major == 10:
-        return "sm_100a"
-    raise RuntimeError(
-        f"cutebwd kernels run on Hopper (sm_90a) or Blackwell (sm_100a); this GPU is sm_{major}{minor}"
-    )
+    props = torch.cuda.get_device_properties(device_index)
+    arch = ARCH_OF_CAPABILITY.get((props.major, props.minor))
+    if arch is None:
+        supported = ", ".join(f"{major}.{minor} ({target})" for (major, minor), target in ARCH_OF_CAPABILITY.items())
+        raise RuntimeError(f"cutebwd kernels are built for compute capabilities {supported}; device {device_index}, "
+                           f"{props.name}, is {props.major}.{props.minor}")
+    return Gpu(props.name, arch, props.multi_processor_count)
+
+
+def device_arch(device_index: int) -> str:
+    """The CuTe DSL arch string for a CUDA device (device_gpu)."""
+    return device_gpu(device_index).arch
 
 
 def compile_kernel(key: Hashable, jit_fn: Callable, *args, arch: str, dump_dir: str | None = None,

@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from .gpus import Gpu
+
 SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
 SM100_SMEM_BYTES = SM90_SMEM_BYTES  # B200: the same 227 KB per CTA
 WARPGROUP_THREADS = 128
@@ -180,17 +182,13 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
 # Stream-K does not pay on short K, where a partial tile's hand-over costs a few k-tiles of MMAs:
 # measured on the H200 (gemm-notes step 18), it cost 3-12% at 8 and 20 k-tiles and paid from 32.
 MIN_K_TILES = 32
-# The H200's SM count, which the rules' tile-count limits below were read off.
-H200_SMS = 132
-# Split-K for a single product of few tiles (default_tiling's group_n rule): at most about half
-# the SMs' worth of tiles, so each tile's K is cut at least in two, and K of at least
-# MIN_K_TILES whole k-tiles, so the hand-over pays.
-SPLIT_MAX_TILES = H200_SMS // 2
+# Split-K for a single product of few tiles (default_tiling's group_n rule): at most half the
+# SMs' worth of tiles, so each tile's K is cut at least in two, and K of at least MIN_K_TILES
+# whole k-tiles, so the hand-over pays.
 SPLIT_MIN_K = MIN_K_TILES * GemmTiling.tile_k
 # default_tiling: a batch of per-head inverse-RoPE products up to this K takes 64-row pingpong
-# tiles; so does a batch of sums whose 128-row tiles number at most FEW_TILES (half the SMs).
+# tiles; so does a batch of sums whose 128-row tiles fill at most half the SMs.
 SHORT_ROPE_K = 1024
-FEW_TILES = H200_SMS // 2
 # default_tiling, sm_90a: a product this short in K (weight gradients of a short batch: K = T)
 # is its epilogue, so 128-column store pieces (a quarter of the stores and barriers a tile).
 # Session 23, graph replay turn by turn, us, 32 / 64 / 128 columns (pingpong 128 x 128 in 2 x 1
@@ -201,16 +199,17 @@ WIDE_EPILOGUE_MAX_K = 256
 WIDE_EPILOGUE_N = 128
 
 
-def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
-                   group_n: int | None = None, batches: int = 1, summed: int = 1) -> GemmTiling:
+def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: int | None = None, batches: int = 1,
+                   summed: int = 1, side_tensors: bool = False) -> GemmTiling:
     """The tiling for a product until the tuner's table exists: rules read off two sweeps of
     the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within ~10% of
     that product's best of the tilings tried.
     - M <= 128 (input gradients of a short batch, memory-bound on the weight): 128 x 128 from
       N >= 8192; else, for M > 64, 64 x 128 tiles in 2 x 1 clusters (both 64-row halves, one
       weight tile multicast to the pair: twice the CTAs pulling the weight), else 128 x 64;
-    - sm_90a, one wave of 256 x 160 tiles (110 to 132 of them, the H200's SM count; dX T=8192
-      of 1536 x 640): those, with no ragged wave to cut up (sm_100a CTA tiles stop at 128 rows);
+    - sm_90a, one wave of 256 x 160 tiles (at most a sixth of the SMs idle: 110 to 132 tiles on
+      the H200; dX T=8192 of 1536 x 640): those, with no ragged wave to cut up (sm_100a CTA
+      tiles stop at 128 rows);
     - C of at most ~1M elements (the 1536 x 640 products): 64 x 128 tiles, many of them;
     - 128 x 160 tiles in 2 x 1 clusters where 160 divides N and M <= 1024 (fewer tiles: the
       short-M products of N = 5120 fit one wave, one tile a CTA);
@@ -229,7 +228,7 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     timed that way), eight slots of input pieces instead of two.
     `group_n`: tiles exactly that many columns wide (`row_dot` sums rows per tile,
     `rope_inverse` rotates one head a tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
-    2 x 1 clusters from M > 128. A single product of at most SPLIT_MAX_TILES such tiles with
+    2 x 1 clusters from M > 128. A single product of at most half the SMs' worth of such tiles with
     K >= SPLIT_MIN_K deals its k-iterations out over every SM (split_k): 056's g_ao (row_dot,
     N = K = 5120, 160-column tiles) at 128 / 256 tokens, 32 / 64 tiles, took 37.6 / 38.4 us
     one CTA a tile and 29.0 / 32.5 split (cuBLAS's plain product 20.3 / 26.0); at 422 and 613
@@ -245,18 +244,25 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
     64-row pingpong: dq 449 x 16 144.7 / 134.3, 373 x 8 54.9 / 47.0, 1024 x 2 62.4 / 57.8,
     256 x 32 108.9 / 94.1, 211 x 2 8.3 / 8.5; dk summed over four heads, K = 4 s, 449 x 16
     104.6 / 132.2, 1024 x 2 46.6 / 70.1, 256 x 32 72.7 / 73.9, 211 x 2 13.3 / 11.1). A batch of
-    sums (`summed` > 1 products each) whose 128-row tiles would fill at most FEW_TILES SMs:
+    sums (`summed` > 1 products each) whose 128-row tiles would fill at most half the SMs:
     64-row pingpong tiles, twice the CTAs on the long summed K (session 21, us, dv / dk at
     613 x 1, 40 tiles: 25.7 / 27.2 -> 20.3 / 21.6; 512 x 2, 64 tiles: 18.5 / 20.3 -> 17.0 / 18.5;
-    at 691 x 2, 96 tiles, 128 rows stay ahead: 28.0 / 29.6 against 40.9 / 42.1)."""
-    if summed > 1 and batches * -(-m // 128) <= FEW_TILES and n <= 256 and n % 32 == 0 and arch == "sm_90a":
+    at 691 x 2, 96 tiles, 128 rows stay ahead: 28.0 / 29.6 against 40.9 / 42.1).
+    `side_tensors`: the epilogue moves per-row values or tables by plain loads (softmax_bwd,
+    row_dot, rope_inverse); on Blackwell those take one accumulator row a thread, so 128-row
+    tiles (gemm_sm100), 2 x 1 clusters (2-CTA MMAs) from M > 128.
+    `gpu`: the rules' arch and SM count (the tile-count limits were read off the H200's 132)."""
+    arch, half_the_sms = gpu.arch, gpu.sms // 2
+    if summed > 1 and batches * -(-m // 128) <= half_the_sms and n <= 256 and n % 32 == 0 and arch == "sm_90a":
         return GemmTiling(tile_m=64, tile_n=n, cluster_m=2, pingpong=True)
     if group_n and batches > 1 and k <= SHORT_ROPE_K and arch == "sm_90a":
         return GemmTiling(tile_m=64, tile_n=group_n, cluster_m=2, pingpong=True)
     if group_n:
         return GemmTiling(tile_m=128, tile_n=group_n, cluster_m=2 if m > 128 else 1,
                           pingpong=arch == "sm_90a" and group_n <= 128,
-                          split_k=batches == 1 and k >= SPLIT_MIN_K and -(-m // 128) * -(-n // group_n) <= SPLIT_MAX_TILES)
+                          split_k=batches == 1 and k >= SPLIT_MIN_K and -(-m // 128) * -(-n // group_n) <= half_the_sms)
+    if side_tensors and arch != "sm_90a":
+        return GemmTiling(tile_m=128, tile_n=128, cluster_m=2 if m > 128 else 1)
     if batches > 1 and not fused and n <= 256 and n % 32 == 0:
         return GemmTiling(tile_m=128, tile_n=n, cluster_m=2 if m > 128 else 1)
     if m <= 128 and n >= 8192:
@@ -274,7 +280,7 @@ def default_tiling(m: int, n: int, k: int, arch: str = "sm_90a", fused: int = 0,
         # 0.279 (256 x 32: 0.141 against 0.179; session 17 sweep).
         return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=True,
                           epilogue_input_stages=SHORT_K_INPUT_STAGES if k <= SHORT_K and fused == 1 else 2)
-    if 110 <= -(-m // 256) * -(-n // 160) <= H200_SMS and arch == "sm_90a":
+    if gpu.sms - gpu.sms // 6 <= -(-m // 256) * -(-n // 160) <= gpu.sms and arch == "sm_90a":
         return GemmTiling(tile_m=256, tile_n=160)
     if m * n <= 1536 * 640 and m < 4096:
         return GemmTiling(tile_m=64, tile_n=128)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cutebwd.layouts.gemm import GemmTiling, default_tiling, even_clusters, tile_coord
+from cutebwd.layouts.gpus import B200, H200
 from cutebwd.tools.parity import relative_error
 
 
@@ -50,44 +51,44 @@ def test_short_k_products_store_wide_epilogue_pieces():
     sm_90a; longer K and sm_100a keep the default."""
     from cutebwd.layouts.gemm import WIDE_EPILOGUE_MAX_K, WIDE_EPILOGUE_N
 
-    assert default_tiling(5120, 5120, 128).epilogue_n == WIDE_EPILOGUE_N
-    assert default_tiling(7680, 5120, WIDE_EPILOGUE_MAX_K).epilogue_n == WIDE_EPILOGUE_N
-    assert default_tiling(5120, 5120, 512).epilogue_n == GemmTiling.epilogue_n
-    assert default_tiling(5120, 5120, 128, "sm_100a").epilogue_n == GemmTiling.epilogue_n
+    assert default_tiling(5120, 5120, 128, H200).epilogue_n == WIDE_EPILOGUE_N
+    assert default_tiling(7680, 5120, WIDE_EPILOGUE_MAX_K, H200).epilogue_n == WIDE_EPILOGUE_N
+    assert default_tiling(5120, 5120, 512, H200).epilogue_n == GemmTiling.epilogue_n
+    assert default_tiling(5120, 5120, 128, B200).epilogue_n == GemmTiling.epilogue_n
 
 
 def test_default_tiling_is_valid_for_the_layer_products():
     for m, n, k in ((128, 5120, 5120), (8192, 14336, 5120), (5120, 5120, 8192), (640, 1536, 8192), (8192, 640, 1536)):
-        default_tiling(m, n, k).check_sm90()
-        default_tiling(m, n, k, "sm_100a").check_sm100()
+        default_tiling(m, n, k, H200).check_sm90()
+        default_tiling(m, n, k, B200).check_sm100()
 
 
 def test_batched_head_products_take_one_head_a_tile():
     """056's P . v and P^T . g_ao: hundreds of [s, 160] products, one 128 x 160 tile across N
     (the single product of the same shape keeps the many-small-tiles rule)."""
-    assert default_tiling(449, 160, 449, batches=512) == GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
-    assert default_tiling(128, 160, 128, batches=1024) == GemmTiling(tile_m=128, tile_n=160)
-    assert default_tiling(449, 160, 449) == GemmTiling(tile_m=64, tile_n=128)
-    for arch, check in (("sm_90a", "check_sm90"), ("sm_100a", "check_sm100")):
-        getattr(default_tiling(449, 160, 449, arch, batches=512), check)()
+    assert default_tiling(449, 160, 449, H200, batches=512) == GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
+    assert default_tiling(128, 160, 128, H200, batches=1024) == GemmTiling(tile_m=128, tile_n=160)
+    assert default_tiling(449, 160, 449, H200) == GemmTiling(tile_m=64, tile_n=128)
+    for gpu, check in ((H200, "check_sm90"), (B200, "check_sm100")):
+        getattr(default_tiling(449, 160, 449, gpu, batches=512), check)()
 
 
 def test_batched_inverse_rope_at_short_k_takes_64_row_pingpong_tiles():
     """056's dq (one head a tile, K = s <= 1024) on sm_90a: 64-row pingpong tiles in 2 x 1
     clusters; dk's sum over four heads (K = 4 s) past 1024 and sm_100a keep 128-row tiles."""
-    assert default_tiling(449, 160, 449, fused=0, group_n=160, batches=512) == \
+    assert default_tiling(449, 160, 449, H200, fused=0, group_n=160, batches=512) == \
         GemmTiling(tile_m=64, tile_n=160, cluster_m=2, pingpong=True)
-    assert default_tiling(449, 160, 4 * 512, group_n=160, batches=128).tile_m == 128
-    assert not default_tiling(449, 160, 449, "sm_100a", group_n=160, batches=512).pingpong
-    default_tiling(449, 160, 449, group_n=160, batches=512).check_sm90()
+    assert default_tiling(449, 160, 4 * 512, H200, group_n=160, batches=128).tile_m == 128
+    assert not default_tiling(449, 160, 449, B200, group_n=160, batches=512).pingpong
+    default_tiling(449, 160, 449, H200, group_n=160, batches=512).check_sm90()
 
 
 def test_batch_sums_of_few_tiles_take_64_row_pingpong_tiles():
     """056's dv summed over four heads: 64-row pingpong tiles where 128-row ones would fill at
     most half the SMs (613 x 1: 8 sums of 5 tiles), 128 rows from there (691 x 2: 16 x 6)."""
-    assert default_tiling(613, 160, 4 * 640, batches=8, summed=4).spec == "64x160c2x1p"
-    assert default_tiling(691, 160, 4 * 704, batches=16, summed=4).tile_m == 128
-    assert default_tiling(613, 160, 640, batches=8).tile_m == 128  # the same products, not summed
+    assert default_tiling(613, 160, 4 * 640, H200, batches=8, summed=4).spec == "64x160c2x1p"
+    assert default_tiling(691, 160, 4 * 704, H200, batches=16, summed=4).tile_m == 128
+    assert default_tiling(613, 160, 640, H200, batches=8).tile_m == 128  # the same products, not summed
 
 
 def test_few_column_group_tiles_split_k():
@@ -95,20 +96,21 @@ def test_few_column_group_tiles_split_k():
     32 / 64 tiles of 128 x 160) deals its k-iterations out over every SM."""
     from cutebwd.layouts.gemm import even_clusters
 
-    assert default_tiling(128, 5120, 5120, fused=1, group_n=160) == GemmTiling(tile_m=128, tile_n=160, split_k=True)
-    assert even_clusters(default_tiling(256, 5120, 5120, fused=1, group_n=160), 256, 5120).spec == "128x160c2x1s"
-    assert not default_tiling(422, 5120, 5120, fused=1, group_n=160).split_k  # 128 tiles: one a CTA
-    assert not default_tiling(128, 5120, 512, fused=1, group_n=160).split_k  # short K
-    assert not default_tiling(128, 160, 5120, group_n=160, batches=32).split_k  # a batch fills the SMs itself
+    assert default_tiling(128, 5120, 5120, H200, fused=1, group_n=160) == \
+        GemmTiling(tile_m=128, tile_n=160, split_k=True)
+    assert even_clusters(default_tiling(256, 5120, 5120, H200, fused=1, group_n=160), 256, 5120).spec == "128x160c2x1s"
+    assert not default_tiling(422, 5120, 5120, H200, fused=1, group_n=160).split_k  # 128 tiles: one a CTA
+    assert not default_tiling(128, 5120, 512, H200, fused=1, group_n=160).split_k  # short K
+    assert not default_tiling(128, 160, 5120, H200, group_n=160, batches=32).split_k  # a batch fills the SMs itself
 
 
 def test_short_k_fused_products_load_more_epilogue_inputs_ahead():
     """056's softmax_bwd (K = head_dim) is epilogue-bound on sm_90a: eight input slots; the
     dSwiGLU product (K = hidden) keeps two, for its main loop's stages."""
-    assert default_tiling(449, 449, 160, fused=1, batches=512).epilogue_input_stages == 8
-    assert default_tiling(8192, 14336, 5120, fused=3).epilogue_input_stages == 2
-    assert default_tiling(300, 520, 200, fused=3).epilogue_input_stages == 2  # three inputs' slots: no room
-    default_tiling(449, 449, 160, fused=1, batches=512).check_sm90()
+    assert default_tiling(449, 449, 160, H200, fused=1, batches=512).epilogue_input_stages == 8
+    assert default_tiling(8192, 14336, 5120, H200, fused=3).epilogue_input_stages == 2
+    assert default_tiling(300, 520, 200, H200, fused=3).epilogue_input_stages == 2  # three inputs' slots: no room
+    default_tiling(449, 449, 160, H200, fused=1, batches=512).check_sm90()
 
 
 def test_odd_tile_rows_turn_the_cluster_along_n():
@@ -124,9 +126,10 @@ def test_odd_tile_rows_turn_the_cluster_along_n():
     assert even_clusters(wide, 613, 14336, "sm_100a") == wide
     assert even_clusters(GemmTiling(tile_m=64, tile_n=128, cluster_m=2), 100, 5120).cluster_m == 2  # two 64-row tiles
     # 056's P . v at s = 293: three tile rows, one 160-column tile: no cluster
-    assert choose_tiling(None, 293, 160, 293, "sm_90a", STORE, None, batches=8) == GemmTiling(tile_m=128, tile_n=160)
-    assert choose_tiling(wide, 613, 14336, 5120, "sm_90a", STORE, None) == wide
-    for tiling in (even_clusters(wide, 613, 14336), even_clusters(default_tiling(1382, 14336, 5120), 1382, 14336)):
+    assert choose_tiling(None, 293, 160, 293, H200, STORE, None, batches=8) == GemmTiling(tile_m=128, tile_n=160)
+    assert choose_tiling(wide, 613, 14336, 5120, H200, STORE, None) == wide
+    for tiling in (even_clusters(wide, 613, 14336),
+                   even_clusters(default_tiling(1382, 14336, 5120, H200), 1382, 14336)):
         tiling.check_sm90()
 
 
@@ -163,7 +166,8 @@ def test_matches_an_fp32_matmul(a_view, b_view, m, n, k, variant):
     b = torch.randn(n, k, device="cuda", generator=g).bfloat16() if b_view == "k" else \
         torch.randn(k, n, device="cuda", generator=g).bfloat16().t()
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tiling = {"default": default_tiling(m, n, k), "cluster 2x1": dataclasses.replace(default_tiling(m, n, k), cluster_m=2),
+    rules = default_tiling(m, n, k, H200)  # the H200 suite runs these
+    tiling = {"default": rules, "cluster 2x1": dataclasses.replace(rules, cluster_m=2),
               "pingpong": GemmTiling(pingpong=True), "pingpong, cluster 2x1": GemmTiling(pingpong=True, cluster_m=2),
               "256x160": GemmTiling(tile_m=256, tile_n=160), "cluster 1x2": GemmTiling(tile_n=256, cluster_n=2),
               "pingpong, cluster 1x2": GemmTiling(pingpong=True, cluster_n=2),
@@ -409,19 +413,19 @@ def test_sm100_tiling_checks():
     assert not GemmTiling().two_cta_mma
 
 
-def _bar_tilings(arch):
-    """Every (tiling, A K-major?, B K-major?) the default rules pick on `arch` for the issue-5 products."""
+def _bar_tilings(gpu):
+    """Every (tiling, A K-major?, B K-major?) the default rules pick on `gpu` for the issue-5 products."""
     from cutebwd.tools.bench_gemm import TOKENS, WIDTHS
 
     picked = set()
     for t in TOKENS:
         for out_features, in_features in WIDTHS:
-            picked.add((default_tiling(t, in_features, out_features, arch), True, False))  # dX = dY . W
-            picked.add((default_tiling(out_features, in_features, t, arch), False, False))  # dW = dY^T . X
-    return [(arch, *case) for case in sorted(picked, key=str)]
+            picked.add((default_tiling(t, in_features, out_features, gpu), True, False))  # dX = dY . W
+            picked.add((default_tiling(out_features, in_features, t, gpu), False, False))  # dW = dY^T . X
+    return [(gpu.arch, *case) for case in sorted(picked, key=str)]
 
 
-@pytest.mark.parametrize("arch,tiling,a_k_major,b_k_major", _bar_tilings("sm_90a") + _bar_tilings("sm_100a"), ids=str)
+@pytest.mark.parametrize("arch,tiling,a_k_major,b_k_major", _bar_tilings(H200) + _bar_tilings(B200), ids=str)
 def test_every_tiling_the_rules_pick_compiles_and_passes_the_audit(arch, tiling, a_k_major, b_k_major):
     """What the dispatch would run on each arch compiles, holds the instructions its main loop
     declares (sm_90a: pipelined warpgroup MMAs; sm_100a: tcgen05 MMAs and tensor-memory loads)
@@ -446,7 +450,7 @@ def test_one_host_wrapper_for_both_arches():
 
     from cutebwd.kernels import gemm, gemm_sm90, gemm_sm100
 
-    assert set(gemm._ARCH_MODULES) == {"sm_90a", "sm_100a"}
+    assert set(gemm._ARCH_MODULES) == {"sm_90a", "sm_100a", "sm_103a"}
     assert inspect.signature(gemm_sm90.build).parameters.keys() == inspect.signature(gemm_sm100.build).parameters.keys()
     for module in (gemm_sm90, gemm_sm100):
         assert not hasattr(module, "matmul_nt") and not hasattr(module, "_Call")

@@ -185,12 +185,13 @@ def test_no_tokens_gives_zero_gradients():
 def test_weight_gradients_pair_with_the_summed_product_only_where_alike(tokens, dims, arch, paired):
     """One launch (Sm90Gemm._launch_pair) needs idle CTAs for two waves of the weight gradients
     and both products' CTAs alike (one CTA a cluster, the same consumer warpgroups)."""
-    from cutebwd.kernels.qkv_qknorm_backward import h200_pairing
-    from cutebwd.layouts.gemm import H200_SMS
+    from cutebwd.kernels.qkv_qknorm_backward import pairing
+    from cutebwd.layouts.gpus import B200, H200
 
     d, heads, hidden = dims
-    summed, grouped, idle = h200_pairing(tokens, hidden, (heads * d, d, d), arch)
-    busy = min(H200_SMS, summed.cluster_tiles(tokens, hidden) * summed.cluster_m * summed.cluster_n)
+    gpu = {"sm_90a": H200, "sm_100a": B200}[arch]
+    summed, grouped, idle = pairing(tokens, hidden, (heads * d, d, d), gpu)
+    busy = min(gpu.sms, summed.cluster_tiles(tokens, hidden) * summed.cluster_m * summed.cluster_n)
     assert (idle is not None) == paired
     if paired:
-        assert idle == H200_SMS - busy and summed.mma_warpgroups == grouped.mma_warpgroups
+        assert idle == gpu.sms - busy and summed.mma_warpgroups == grouped.mma_warpgroups

@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from cutebwd.kernels.gemm_grouped import stacked_tiling
+from cutebwd.kernels.gemm import GemmCall
 from cutebwd.kernels.runtime import ARCHES
 from cutebwd.layouts import gemm as layouts
 from cutebwd.layouts.gemm import GemmTiling, default_tiling, shape_bucket, tuned_table, tuned_tiling
+from cutebwd.layouts.gpus import H200
 from cutebwd.tools import tune
 from cutebwd.tools.parity import relative_error
 
@@ -40,11 +41,14 @@ def test_dispatch_reads_the_table_for_its_bucket_only(table):
 
 
 def test_a_group_takes_the_pick_for_its_stacked_bucket(table):
+    def stacked(ms, n, k, a_k_major, b_k_major):
+        return GemmCall(sum(ms), n, k, a_k_major, b_k_major, products=len(ms)).tiling_on(H200)
+
     # three products of 40, 30 and 30 rows stack to 100: the 128-row bucket's pick
-    assert stacked_tiling((40, 30, 30), 5120, 5000, True, False, "sm_90a") == GemmTiling.from_spec("128x64")
+    assert stacked((40, 30, 30), 5120, 5000, True, False) == GemmTiling.from_spec("128x64")
     # where the tuner kept its day's rule, today's rules decide (K = 128: 128-column store pieces)
-    assert stacked_tiling((2560, 2560), 5120, 128, False, False, "sm_90a") == default_tiling(5120, 5120, 128)
-    assert stacked_tiling((2560, 2560), 5120, 128, False, False, "sm_90a").epilogue_n == 128
+    assert stacked((2560, 2560), 5120, 128, False, False) == default_tiling(5120, 5120, 128, H200)
+    assert stacked((2560, 2560), 5120, 128, False, False).epilogue_n == 128
 
 
 @pytest.mark.parametrize("arch", ARCHES)

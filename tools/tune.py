@@ -99,10 +99,11 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from cutebwd.kernels.runtime import device_arch
+    from cutebwd.kernels.runtime import device_gpu
     from cutebwd.layouts.gemm import TUNED_DIR, default_tiling, shape_bucket, tuned_table
 
-    arch = device_arch(torch.cuda.current_device())
+    gpu = device_gpu(torch.cuda.current_device())
+    arch = gpu.arch
     path = Path(args.out) if args.out else TUNED_DIR / f"{arch}.json"
     table = json.loads(path.read_text()) if args.resume and path.exists() else {}
     table.update({"arch": arch, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         if bucket in entries and args.resume:
             timing.progress(f"[{i}/{len(chosen)}] {name}: {bucket} already tuned, skipped")
             continue
-        rules = default_tiling(m, n, k, arch)  # what dispatch picks without a table
+        rules = default_tiling(m, n, k, gpu)  # what dispatch picks without a table
         results = tune_product((a, b), rules, candidates, args.seconds)
         timed = {spec: us for spec, (us, _) in results.items() if us is not None}
         best = min(timed, key=timed.get)
