@@ -1,5 +1,7 @@
 """The on-disk layer of the compile cache: a TVM-FFI build exported as an object file once, so a
-new process loads it (~2 ms) instead of compiling it again (1-3 s a build).
+new process loads it (~2 ms) instead of compiling it again (1-3 s a build); and an audited
+build's PTX, CUBIN and host code (what tools/audit.py reads of it), so the audit and its tests
+compile each build once per source version.
 
 A file's name is a digest of the build's key, its arch, the DSL's version and switches
 (CUTE_DSL_*) and the source of every kernel and layout module of this package, so an edit to
@@ -12,11 +14,15 @@ CUTEBWD_CACHE_DIR=off turns the layer off (the in-process cache stays).
 """
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
+import json
 import os
 import tempfile
+import types
 import warnings
+import zlib
 from pathlib import Path
 
 ENV = "CUTEBWD_CACHE_DIR"
@@ -57,9 +63,9 @@ def entry_name(key, arch: str) -> str | None:
     return "cutebwd_" + hashlib.sha256((code_digest() + text).encode()).hexdigest()[:32]
 
 
-def path_of(name: str) -> Path | None:
+def path_of(name: str, suffix: str = ".o") -> Path | None:
     root = directory()
-    return None if root is None else root / code_digest() / f"{name}.o"
+    return None if root is None else root / code_digest() / f"{name}{suffix}"
 
 
 def load(name: str):
@@ -90,19 +96,58 @@ def _prune(root: Path) -> None:
 
 
 def store(name: str, compiled) -> None:
-    """Exports a TVM-FFI build under `name`. A cache that cannot be written costs only the
-    next process's compile time, so failures warn and go on."""
-    path = path_of(name)
+    """Exports a TVM-FFI build under `name`."""
+    _write(path_of(name), lambda temporary: compiled.export_to_c(temporary, name))
+
+
+class Dumped:
+    """An audited build read back from disk: what the audit reads of a compiled one."""
+
+    def __init__(self, cubin: bytes, ptx: str, host: str):
+        self.artifacts = types.SimpleNamespace(CUBIN=cubin, PTX=ptx)
+        self.ir_module = host
+
+
+def load_dumps(name: str, dump_dir: str) -> Dumped | None:
+    """The audited build `name` (also written into `dump_dir`, where the audit keeps its files),
+    or None when it is not on disk or cannot be read."""
+    path = path_of(name, ".dumps")
+    if path is None or not path.exists():
+        return None
+    try:
+        fields = json.loads(zlib.decompress(path.read_bytes()))
+        dumped = Dumped(base64.b64decode(fields["cubin"]), fields["ptx"], fields["host"])
+    except Exception as error:
+        warnings.warn(f"cutebwd: compile cache entry {path} unreadable ({error}); compiling again")
+        return None
+    os.makedirs(dump_dir, exist_ok=True)
+    Path(dump_dir, f"{name}.cubin").write_bytes(dumped.artifacts.CUBIN)
+    Path(dump_dir, f"{name}.ptx").write_text(dumped.artifacts.PTX)
+    return dumped
+
+
+def store_dumps(name: str, compiled) -> None:
+    """Keeps a build compiled with dumps: its CUBIN, PTX and lowered host code."""
+    fields = {"cubin": base64.b64encode(compiled.artifacts.CUBIN).decode(), "ptx": compiled.artifacts.PTX,
+              "host": str(compiled.ir_module)}
+    blob = zlib.compress(json.dumps(fields).encode())
+    _write(path_of(name, ".dumps"), lambda temporary: Path(temporary).write_bytes(blob))
+
+
+def _write(path: Path | None, write) -> None:
+    """`write(temporary path)`, then the file renamed into place, so processes sharing the cache
+    never read half a file. A cache that cannot be written costs only the next process's
+    compile time, so failures warn and go on."""
     if path is None:
         return
     try:
         if not path.parent.exists():  # a new code version: make room for it
             path.parent.mkdir(parents=True)
             _prune(path.parent.parent)
-        handle, temporary = tempfile.mkstemp(suffix=".o", dir=path.parent)
+        handle, temporary = tempfile.mkstemp(suffix=path.suffix, dir=path.parent)
         os.close(handle)
         try:
-            compiled.export_to_c(temporary, name)
+            write(temporary)
             os.chmod(temporary, 0o644)  # mkstemp's 0600 would hide it from a cache shared between users
             os.replace(temporary, path)
         finally:

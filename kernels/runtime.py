@@ -59,7 +59,8 @@ def compile_kernel(key: Hashable, jit_fn: Callable, *args, arch: str, dump_dir: 
     dtypes) and show the same text in every process (it names the on-disk entry); dynamic
     extents (batch, sequence) are runtime arguments and stay out of it. With `tvm_ffi`, the
     result is called with torch tensors (see the module docstring) and a new process loads it
-    from disk (kernels/disk_cache.py) instead of compiling it again.
+    from disk (kernels/disk_cache.py) instead of compiling it again; a build with `dump_dir`
+    (the audit's) is read back from disk as its CUBIN, PTX and host code (disk_cache.Dumped).
     """
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
@@ -67,19 +68,22 @@ def compile_kernel(key: Hashable, jit_fn: Callable, *args, arch: str, dump_dir: 
     hit = _compiled.get(full_key)
     if hit is not None:
         return hit
-    # TVM-FFI builds also go through the on-disk cache (not the audit's, which want the dumps).
-    on_disk = disk_cache.entry_name(key, arch) if tvm_ffi and dump_dir is None else None
-    loaded = disk_cache.load(on_disk) if on_disk else None
-    if loaded is not None:
-        compiled = Loaded(loaded)
+    # On disk too: TVM-FFI builds as loadable objects, the audit's (dump_dir) as what it reads.
+    if dump_dir is None:
+        on_disk = disk_cache.entry_name(key, arch) if tvm_ffi else None
+        loaded = disk_cache.load(on_disk) if on_disk else None
+        compiled = Loaded(loaded) if loaded is not None else None
     else:
+        on_disk = disk_cache.entry_name((key, "dumps", tvm_ffi), arch)
+        compiled = disk_cache.load_dumps(on_disk, dump_dir) if on_disk else None
+    if compiled is None:
         options = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "")
         if dump_dir is not None:
             os.makedirs(dump_dir, exist_ok=True)
             options += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
         compiled = cute.compile(jit_fn, *args, options=options)
         if on_disk:
-            disk_cache.store(on_disk, compiled)
+            (disk_cache.store if dump_dir is None else disk_cache.store_dumps)(on_disk, compiled)
     _compiled[full_key] = compiled
     return compiled
 

@@ -40,6 +40,22 @@ def test_entry_names_follow_key_arch_and_code(monkeypatch):
     assert name != disk_cache.entry_name(("087 range and keys", "Int64"), "sm_90a")
 
 
+def test_audited_builds_are_read_back_as_the_audit_reads_them(cache, tmp_path_factory):
+    """A build compiled with dumps (the audit's) is kept on disk: compiled again in a fresh process,
+    it comes back with the same CUBIN, PTX and host code, and its files in the new dump folder."""
+    from cutebwd.tools import audit
+
+    nvdisasm = audit.find_nvdisasm()
+    first = audit.audit_build(lambda arch, dump_dir: build_range_and_keys(Int64, arch, dump_dir), "sm_90a", nvdisasm)
+    runtime._compiled.clear()
+    again = tmp_path_factory.mktemp("dumps")
+    dumped = build_range_and_keys(Int64, "sm_90a", str(again))
+    assert isinstance(dumped, disk_cache.Dumped) and len(list(again.glob("*.cubin"))) == 1
+    runtime._compiled.clear()
+    second = audit.audit_build(lambda arch, dump_dir: build_range_and_keys(Int64, arch, dump_dir), "sm_90a", nvdisasm)
+    assert {k: v for k, v in first.items() if k != "compile_s"} == {k: v for k, v in second.items() if k != "compile_s"}
+
+
 def test_keys_without_stable_text_stay_off_disk():
     assert disk_cache.entry_name(("kernel", object()), "sm_90a") is None
 

@@ -4,8 +4,14 @@ and check each build against what its kernel declares it must (and must not) con
 against the hardware's per-CTA limits (registers, shared memory, tensor memory, cluster size).
 
     python -m cutebwd.tools.audit [--json audit.json] [--only SUBSTRING] [--keep DIR]
+    python -m cutebwd.tools.audit --dispatch [--gpu H200 --gpu B200] [--only ...]
 
-Exit status 1 when any build misses a required family, holds a forbidden one, or exceeds a limit.
+--dispatch audits what dispatch builds instead of the registry's builds: every kernel the ops'
+first calls compile on an H200 and a B200 for every workload and some odd shapes
+(tools/dispatch.py), each distinct build once; a build that does not compile is a violation.
+
+Exit status 1 when any build misses a required family, holds a forbidden one, exceeds a limit
+or does not compile.
 """
 from __future__ import annotations
 
@@ -420,14 +426,83 @@ def format_table(results: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows])
 
 
+def run_dispatch_audit(gpu_names=None, only: str | None = None, keep_dir: str | None = None, progress=print,
+                       jobs: int = 1) -> list[dict]:
+    """Each distinct build dispatch makes on each GPU (tools/dispatch.py), compiled and checked
+    as run_audit checks the registry's, over `jobs` processes (compiling is single-threaded);
+    results name the GPU and the cases asking for the build."""
+    from cutebwd.tools import dispatch
+
+    work = [(gpu.name, i) for gpu in dispatch.gpus(gpu_names)
+            for i, build in enumerate(dispatch.distinct_builds(gpu)) if not only or only in build.name]
+    if jobs <= 1 or len(work) <= 1:
+        return _audit_dispatch_builds(work, keep_dir, progress)
+    import multiprocessing
+
+    # spawn: a forked copy of a process that has loaded the DSL's compiler is not safe to use
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        shares = pool.starmap(_audit_dispatch_builds, [(work[j::jobs], keep_dir) for j in range(jobs)])
+    results = [None] * len(work)
+    for j, share in enumerate(shares):
+        results[j::jobs] = share
+    return results
+
+
+def _audit_dispatch_builds(work, keep_dir=None, progress=None) -> list[dict]:
+    """The audit of builds (GPU name, index among its distinct builds); a worker of
+    run_dispatch_audit reports its progress on stderr."""
+    from cutebwd.layouts.gpus import GPUS
+    from cutebwd.tools import dispatch
+
+    progress = progress or (lambda message: print(message, file=sys.stderr, flush=True))
+    nvdisasm = find_nvdisasm()
+    builds = {name: list(dispatch.distinct_builds(GPUS[name]).items()) for name in dict.fromkeys(g for g, _ in work)}
+    results = []
+    for gpu_name, i in work:
+        gpu, (build, cases) = GPUS[gpu_name], builds[gpu_name][i]
+        progress(f"[dispatch audit] {gpu_name} {i + 1}/{len(builds[gpu_name])} {build.name} ...")
+        result = {"kernel": build.name, "arch": gpu.arch, "gpu": gpu_name,
+                  "cases": [f"{op} {case}" for op, case in cases]}
+        try:
+            result.update(audit_build(build.compile, gpu.arch, nvdisasm, keep_dir))
+        except Exception as error:  # what a first call on that GPU would raise
+            result.update(families={}, resources={}, launches=[],
+                          violations=[f"does not compile: {type(error).__name__}: {error}"])
+        else:
+            result["violations"] = build_problems(result, build.expects)
+        results.append(result)
+    return results
+
+
+def dispatch_summary(results: list[dict]) -> str:
+    """Per GPU: how many distinct builds, for how many first-call requests, and how many failed."""
+    lines = []
+    for gpu in dict.fromkeys(r["gpu"] for r in results):
+        mine = [r for r in results if r["gpu"] == gpu]
+        failed = [r["kernel"] for r in mine if r["violations"]]
+        lines.append(f"{gpu} ({mine[0]['arch']}): {len(mine)} distinct builds for "
+                     f"{sum(len(r['cases']) for r in mine)} first-call requests, {len(failed)} failed"
+                     + "".join(f"\n  FAIL {name}" for name in failed))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="audit.json", help="where to write the full results")
     parser.add_argument("--only", help="audit only builds whose name contains this")
     parser.add_argument("--keep", help="keep PTX and CUBIN files under this folder")
+    parser.add_argument("--dispatch", action="store_true", help="audit what dispatch builds (tools/dispatch.py)")
+    parser.add_argument("--gpu", action="append", help="with --dispatch: a GPU of layouts.gpus.GPUS (default: all)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --dispatch: processes compiling")
     args = parser.parse_args(argv)
-    results = run_audit(args.only, args.keep, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.dispatch:
+        results = run_dispatch_audit(args.gpu, args.only, args.keep, progress, args.jobs)
+    else:
+        results = run_audit(args.only, args.keep, progress)
     print(format_table(results))
+    if args.dispatch:
+        print(dispatch_summary(results))
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {args.json}")

@@ -1,6 +1,6 @@
 """The main job. With no GPU: compile every kernel for sm_90a and sm_100a and audit the
-machine code (and say that is all it could do). With a GPU: also the GPU tests, then the
-benchmark.
+machine code, then the same for every build dispatch makes on an H200 and a B200 (and say that
+is all it could do). With a GPU: also the GPU tests, then the benchmark.
 
     python -m cutebwd.tools.main [--no-bench] [-- bench options ...]
 """
@@ -15,8 +15,9 @@ import sys
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cutebwd.tools.main",
-        description="Audit every kernel for sm_90a and sm_100a (no GPU needed; about 3 minutes on 2 cores); "
-                    "with a GPU, then the GPU tests and the benchmark.")
+        description="Audit every kernel for sm_90a and sm_100a, and every build dispatch makes on an H200 and a "
+                    "B200 (no GPU needed; about 5 minutes on 2 cores); with a GPU, then the GPU tests and the "
+                    "benchmark.")
     parser.add_argument("--no-bench", action="store_true", help="stop after the audit and the GPU tests")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="after --: options for python -m cutebwd.tools.bench")
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
 
     print("[main] audit: every kernel compiled for sm_90a and sm_100a and its machine code checked", flush=True)
     status = audit.main(["--json", "audit.json"])
+    print("[main] dispatch audit: every build the ops' first calls make on an H200 and a B200", flush=True)
+    status |= audit.main(["--dispatch", "--json", "audit-dispatch.json"])
     if not torch.cuda.is_available():
         print("\nno CUDA GPU here: compiled and audited both architectures (sm_90a, sm_100a); "
               "the GPU tests and timings need a GPU")
