@@ -27,12 +27,14 @@ class ColumnSum:
     partial rows of a persistent grid cost two to four dependent loads a stream. Launched with programmatic
     dependent launch: it starts while the backward kernel drains and waits on griddepcontrol.
     With `skip` (a one-element fp32 tensor an earlier kernel writes), out is left alone where
-    skip[0] != 0: how 087 writes nothing for out-of-range ids without a host round trip.
+    skip[0] != 0: how the embedding backward writes nothing for out-of-range ids without a host
+    round trip.
     """
 
     WARPS = 16
-    # Half a 128-byte line per CTA: 80 CTAs at H = 2560, +0.5 point at 013's shortest grid calls
-    # against a full line (40 CTAs, longer chains); a quarter line was in between (session 10).
+    # Half a 128-byte line per CTA: 80 CTAs at H = 2560, +0.5 point of copy bandwidth at the fused
+    # residual RMSNorm backward's shortest grid calls against a full line (40 CTAs, longer
+    # chains); a quarter line was in between.
     LINE_VECTORS = 4
     ROW_LANES = 32 // LINE_VECTORS
 

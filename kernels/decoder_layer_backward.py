@@ -1,6 +1,6 @@
-"""L2/056 decoder layer backward (issue 10): the whole layer through the GEMM core, first version.
+"""The decoder layer backward: the whole layer through the GEMM core.
 
-Fourteen steps from one host call (tools/reports/056-plan.md), comments name the contract's
+Fourteen steps from one host call (docs/design-decoder-layer.md), comments name the contract's
 lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
 
     step  what                                                               how
@@ -8,8 +8,8 @@ lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
     2     grad_down_weight = go^T . swiglu_output                            plain product
     3     g_ffn = g_gate . Wg + g_up . Wu (fp32 [T, H])                      summed product
     4     grad_gate_weight, grad_up_weight = [g_gate; g_up]^T . ffn_input    grouped product
-    5     g_attn = bf16(go + rms_dx(g_ffn * w2, residual2, rstd2)) and       013's row kernel in
-          grad_post_attn_ln_weight                                           056's form
+    5     g_attn = bf16(go + rms_dx(g_ffn * w2, residual2, rstd2)) and       the RMSNorm row kernel
+          grad_post_attn_ln_weight                                           in DECODER_FORM
     6     pv = P . v_rep per (batch, head), into [T, heads * d] rows         batched
           g_ao = g_attn . Wo, D = rowsum(g_ao * pv) per (token, head)        row_dot epilogue
     7     grad_o_weight = g_attn^T . attn_output                             plain
@@ -25,16 +25,17 @@ lines; T = batch * seq tokens, H hidden, I intermediate, d head_dim:
           grad_input_ln_weight
 
 They run in the order 1-7, 11, 8-10, 12-14, so the [b, heads, s, s] tensors live as briefly as
-they can (issue 10's memory bar: extra device memory <= 110% of the outputs).
+they can: the device memory a call takes beyond its inputs and outputs stays within 110% of the
+outputs' size (tests/test_decoder_layer.py).
 
 D is the contract's rowsum(P * g_p) per score row, which equals rowsum(g_ao * (P . v)) per
 (token, head) because g_p = g_ao . v^T: one more batched product (as cheap as g_p's) instead of
 a reduction across the score tiles. attn_output cannot stand in for P . v: the benchmark's
 inputs are independent draws.
 
-Where this first version leaves the plan (each measured in the closing notes, none hidden):
+Two extra costs, both measured in docs/design-decoder-layer.md:
 - g_ffn and g_ai are fp32 [T, H]: the norm-weight gradients are fp32 sums over T rows of
-  them, and bf16 rounding there would cost ~1e-3 relative error against a 1e-4 bar.
+  them, and rounding them to bf16 measured ~1e-3 relative error on those gradients.
 - attn_weights are read by TMA, whose row strides must be 16-byte multiples: at a sequence
   length that is not a multiple of 8 they are copied once into padded rows.
 """
@@ -60,9 +61,9 @@ TMA_STRIDE = 8  # bf16 elements in 16 bytes: TMA's stride granule
 # takes 128 x 128 tiles in 2 x 1 clusters instead of the rules' 128 x 160 (at 256 tokens, ms:
 # 0.141 against 0.174, cuBLAS's two products 0.138); the FFN's other products take the GEMM
 # core's rules.
-# Session 16's 128 x 256 tiles for both FFN products at 129-1536 tokens lost to the rules once
-# their clusters fit odd tile-row counts (layouts.gemm.even_clusters). Session 18, candidates
-# timed interleaved on the H200, at 422 / 613 / 1024 / 1172 / 1382 tokens, ms:
+# 128 x 256 tiles for both FFN products at 129-1536 tokens lost to the rules once their clusters
+# fit odd tile-row counts (layouts.gemm.even_clusters). Candidates timed interleaved on the H200,
+# at 422 / 613 / 1024 / 1172 / 1382 tokens, ms:
 # - dSwiGLU: 128 x 256 0.135 / 0.162 / 0.256 / 0.321 / 0.366, the rules 0.145 / 0.149 / 0.229 /
 #   0.310 / 0.316 (cuBLAS's plain go . Wd 0.094 / 0.141 / 0.221 / 0.268 / 0.290);
 # - summed: 128 x 256 0.289 / 0.336 / 0.441 / 0.540 / 0.656, the rules 0.227 / 0.308 / 0.446 /
@@ -79,15 +80,15 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
                            swiglu_output, input_ln_weight, q_weight, k_weight, v_weight, o_weight,
                            post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1, variance2,
                            hidden_states_normalized1, hidden_states_normalized2, eps, *, out=None):
-    """L2/056: -> (grad_input, grad_input_ln_weight, grad_q_weight, grad_k_weight, grad_v_weight,
-    grad_o_weight, grad_post_attn_ln_weight, grad_gate_weight, grad_up_weight, grad_down_weight),
-    as semantics.md says. Per-head inputs may be [b, heads, s, d] views of [b, s, heads, d]
-    storage (read through their strides, never copied); query_states, key_states, value_states
-    and key_states_rotated are not read (the math does not need them) but are checked. `out`:
-    the ten outputs to write into. The norm-weight gradients are bitwise repeatable; the
-    products are (the GEMM core's fixed-order stream-K). Intermediates come from PyTorch's
-    caching allocator; head_dim must be a multiple of 32 (the inverse RoPE's tiles), every
-    width a multiple of 8."""
+    """The decoder layer backward: -> (grad_input, grad_input_ln_weight, grad_q_weight,
+    grad_k_weight, grad_v_weight, grad_o_weight, grad_post_attn_ln_weight, grad_gate_weight,
+    grad_up_weight, grad_down_weight), as semantics.md says. Per-head inputs may be
+    [b, heads, s, d] views of [b, s, heads, d] storage (read through their strides, never
+    copied); query_states, key_states, value_states and key_states_rotated are not read (the
+    math does not need them) but are checked. `out`: the ten outputs to write into. The
+    norm-weight gradients are bitwise repeatable; the products are (the GEMM core's fixed-order
+    stream-K). Intermediates come from PyTorch's caching allocator; head_dim must be a multiple
+    of 32 (the inverse RoPE's tiles), every width a multiple of 8."""
     args = dict(zip(INPUTS, (
         grad_output, residual, attn_input, query_states, key_states, value_states, query_states_rotated,
         key_states_rotated, key_states_repeated, value_states_repeated, cos, sin, attn_weights, attn_output,

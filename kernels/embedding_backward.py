@@ -1,4 +1,4 @@
-"""L1/087 embedding lookup + RMSNorm backward: the norm backward and a deterministic
+"""The embedding lookup + RMSNorm backward: the norm backward and a deterministic
 scatter-add of dx into the [V, H] bf16 embedding-gradient table, one FFI call.
 
     w = f32(norm_weight)   (norm_weight bf16 as the contract has it, or fp32)
@@ -12,7 +12,7 @@ SORT_ON_CHIP_MAX_TOKENS tokens every row-kernel CTA sorts the raw ids in its sha
 (id_sort.py: no sort launches, no host work); above, an index pass (below).
 
 Id check: out-of-range ids raise and nothing is written, so the host waits for a verdict once
-a call, after queueing the launches except on the aminmax path (tools/reports/087-notes.md):
+a call, after queueing the launches except on the aminmax path (docs/design-embedding.md):
 - ids sorted on chip: every kernel reads the sorted ends and, with an id outside [0, vocab),
   writes neither the table nor grad_norm_weight; the row kernel's CTA 0 leaves that verdict in
   a status word, read back once the launches are done;
@@ -33,14 +33,14 @@ memset fills the table first.
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
-013), adds dx into a running fp32 segment sum, and writes a table row when a segment (one id)
-ends: read-add-round with accumulate, plain round without. A segment cut by a range boundary
-leaves fp32 partial rows instead (the tail of the range where it starts, the head of every
-later range it covers); `SegmentFixup` then adds those partials in range order and writes the
-row once. So one id shared by every token (the worst case) spreads over all CTAs like random
-ids do, and its partials are summed by many CTAs, split over columns. grad_norm_weight: per-CTA
-fp32 partials and the fixed-order `ColumnSum`, which rounds the fp32 sum once as it stores a
-bf16 grad_norm_weight; no float atomics anywhere.
+rmsnorm_backward), adds dx into a running fp32 segment sum, and writes a table row when a
+segment (one id) ends: read-add-round with accumulate, plain round without. A segment cut by a
+range boundary leaves fp32 partial rows instead (the tail of the range where it starts, the
+head of every later range it covers); `SegmentFixup` then adds those partials in range order
+and writes the row once. So one id shared by every token (the worst case) spreads over all CTAs
+like random ids do, and its partials are summed by many CTAs, split over columns.
+grad_norm_weight: per-CTA fp32 partials and the fixed-order `ColumnSum`, which rounds the fp32
+sum once as it stores a bf16 grad_norm_weight; no float atomics anywhere.
 
 norm_weight's dtype (bf16 or fp32) is a compile-time fact of each build: the row kernel reads
 it as it is (8- or 16-byte vectors) and computes in fp32, and grad_norm_weight takes the same
@@ -178,8 +178,9 @@ class EmbeddingRmsNormBackward:
                 head = Int32(1)
         ring = self.stages
         if cutlass.const_expr(ring > 0):
-            # Ring in shared memory, as in 013: each thread copies and later reads only its own
-            # vectors (and its own copy of rstd), so no barrier, one cp.async group per position.
+            # Ring in shared memory, as in rmsnorm_backward: each thread copies and later reads only
+            # its own vectors (and its own copy of rstd), so no barrier, one cp.async group per
+            # position.
             rows_ring = alloc_ring(smem, (m_go, m_x, m_table) if cutlass.const_expr(self.accumulate) else (m_go, m_x),
                                    h, ring)
             rstd_ring = smem.allocate_tensor(Float32, cute.make_layout((threads, ring)), byte_alignment=16)
@@ -467,8 +468,9 @@ _entries: dict = {}
 
 def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm_weight, *, vocab_size=65536,
                                out=None, accumulate=False):
-    """L1/087: -> (grad_embed_weight [vocab_size, H] bf16, grad_norm_weight [H]), as semantics.md
-    says; grad_norm_weight is bf16 for a bf16 norm_weight (the contract's), fp32 for an fp32 one.
+    """The embedding + RMSNorm backward: -> (grad_embed_weight [vocab_size, H] bf16,
+    grad_norm_weight [H]), as semantics.md says; grad_norm_weight is bf16 for a bf16 norm_weight
+    (the contract's), fp32 for an fp32 one.
 
     grad_output bf16 and hidden_states fp32 [b, s, H] (any batch/seq strides that are multiples
     of 4 elements, contiguous last dim); input_ids int64 or int32 [b, s] (the kernels read
@@ -509,7 +511,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
     tokens = batch * seq
     on_chip = tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB
     # Above the on-chip sort our radix sort, not PyTorch's: 2048 tokens took 115 us a call with
-    # PyTorch's sort and the kernels' verdict, 4096 tokens 76 with the radix sort (session 13).
+    # PyTorch's sort and the kernels' verdict, 4096 tokens 76 with the radix sort (H200).
     radix = not on_chip and tokens <= id_radix.MAX_TOKENS and vocab_size <= id_radix.MAX_VOCAB
     # A fresh table is zero-filled up front (a memset), except on the radix path: there the row
     # kernel zeroes the rows no token touches, so no row is written twice.

@@ -1,5 +1,5 @@
-"""Fused epilogues of the GEMM core (issue 7): what the finished fp32 accumulator tile becomes,
-element by element, on its way out, so no extra pass over memory is made.
+"""Fused epilogues of the GEMM core: what the finished fp32 accumulator tile becomes, element by
+element, on its way out, so no extra pass over memory is made.
 
 An `Epilogue` names the extra [M, N] bf16 tensors it reads at each element (`inputs`) and the
 [M, N] results it writes (`outputs`; the first is C). Both arches' kernels walk the tile in
@@ -12,21 +12,21 @@ passes the audit but has never run (no Blackwell GPU here).
 Kinds:
 - STORE: C = acc (the plain product);
 - ADD: C = acc + C (add into an existing output: C is read at each element before it is written);
-- DSWIGLU: from g_sw = acc with gate, up and silu_up (056: silu on `up`),
+- DSWIGLU: from g_sw = acc with gate, up and silu_up (the decoder layer's: silu on `up`),
   grad_gate = g_sw * silu_up and grad_up = g_sw * gate * sig(up) * (1 + up * (1 - sig(up)));
   silu_up is read, not recomputed from up: the benchmark's inputs are independent draws;
 - ROW_DOT: C = acc, and per row the fp32 dot of C (as stored, bf16) with an input x over each
   tile's columns: rows[i, j] = sum over tile column j of C[i, c] * x[i, c] (the `rows` tensor,
-  [M, N / tile_n], tile_n the column group). 056's softmax backward needs D = rowsum(P * g_p) =
-  rowsum(g_ao * P v) per head: with tile_n = head_dim and x = P v it falls out of the g_ao
-  product, one dot per (token, head), each summed in a fixed order within one tile (no
-  cross-tile reduction, bitwise repeatable);
-- SOFTMAX_BWD: 056's g_s = P * (g_p - D) * alpha from the accumulator of g_p = g_ao . v^T, with
-  P = attn_weights ([M, N] input), D the per-row values ([M] fp32, from row_dot) and alpha =
-  1 / sqrt(head_dim), built into the kernel;
-- ROPE_INVERSE: 056's g_q = g_qr * cos - rotate_half(g_qr) * sin from the accumulator of
-  g_qr = g_s . k_rep (likewise g_k), tiles one head (d columns) wide, cos and sin [M, d] tables
-  with equal halves (standard RoPE), so column j < d/2 pairs with j + d/2:
+  [M, N / tile_n], tile_n the column group). The decoder layer's softmax backward needs D =
+  rowsum(P * g_p) = rowsum(g_ao * P v) per head: with tile_n = head_dim and x = P v it falls out
+  of the g_ao product, one dot per (token, head), each summed in a fixed order within one tile
+  (no cross-tile reduction, bitwise repeatable);
+- SOFTMAX_BWD: the decoder layer's g_s = P * (g_p - D) * alpha from the accumulator of g_p =
+  g_ao . v^T, with P = attn_weights ([M, N] input), D the per-row values ([M] fp32, from
+  row_dot) and alpha = 1 / sqrt(head_dim), built into the kernel;
+- ROPE_INVERSE: the decoder layer's g_q = g_qr * cos - rotate_half(g_qr) * sin from the
+  accumulator of g_qr = g_s . k_rep (likewise g_k), tiles one head (d columns) wide, cos and sin
+  [M, d] tables with equal halves (standard RoPE), so column j < d/2 pairs with j + d/2:
   g_q[j] = g_qr[j] cos[j] + g_qr[j + d/2] sin[j], g_q[j + d/2] = g_qr[j + d/2] cos[j] - g_qr[j] sin[j].
 """
 from __future__ import annotations
@@ -111,9 +111,10 @@ def _softmax_bwd(shifted, p, alpha):
 
 _APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu, "row_dot": lambda acc, x: (acc,),
           "rope_inverse": _store}
-# row_dot sums the product as stored (bf16), not the fp32 accumulator: 056's D = rowsum(g_ao * P v)
-# must match the g_p = g_ao . v^T that the bf16 g_ao makes, or the cancellation in g_p - D leaves
-# rounding noise where a softmax row is one-hot (a causal first row: g_s exactly 0 there).
+# row_dot sums the product as stored (bf16), not the fp32 accumulator: the decoder layer's D =
+# rowsum(g_ao * P v) must match the g_p = g_ao . v^T that the bf16 g_ao makes, or the
+# cancellation in g_p - D leaves rounding noise where a softmax row is one-hot (a causal first
+# row: g_s exactly 0 there).
 _ROW_TERM = {"row_dot": lambda acc, x: acc.to(BFloat16).to(Float32) * x}
 STORE = Epilogue("store")
 ADD = Epilogue("add", inputs=("c",))

@@ -39,8 +39,8 @@ NO_EPILOGUE_TENSORS = (None,) * (EPILOGUE_INPUTS + 1)
 def batch_last(t, matrix_rank: int = 2):
     """A tensor with its batch modes last, as one mode: [X, Y] -> [X, Y, 1] (unbatched), and
     torch's [L1, L2, X, Y] -> [X, Y, (L2, L1)] (a batch of L1 * L2 products, index l = l2 + L2 *
-    l1: each batch mode keeps its own stride, e.g. 056's heads inside a [b, s, heads, d]
-    tensor). `matrix_rank` 1 for per-row vectors ([M] or [L1, L2, M])."""
+    l1: each batch mode keeps its own stride, e.g. the decoder layer's heads inside a [b, s,
+    heads, d] tensor). `matrix_rank` 1 for per-row vectors ([M] or [L1, L2, M])."""
     rank = cute.rank(t.layout)
     if rank == matrix_rank:
         return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
@@ -87,7 +87,8 @@ def fake_arguments(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype
     out1 = mn_tensor() if len(epilogue.outputs) > 1 else None
     if epilogue.row_sums:  # fp32 [M, groups] row sums, written by plain stores
         out1 = tensor(Float32, (m, cute.sym_int32()), (cute.sym_int64(), 1), 4, aligned_batches=False)
-    if epilogue.row_values:  # fp32 [M] row values, read by plain loads: any stride (056's D is a transposed view)
+    # fp32 [M] row values, read by plain loads: any stride (the decoder layer's D is a transposed view)
+    if epilogue.row_values:
         out1 = tensor(Float32, (m,), (cute.sym_int64(),), 4, aligned_batches=False)
     if epilogue.tables:  # bf16 [M, d] tables, read by plain (4-byte) loads
         d = cute.sym_int32()
@@ -124,8 +125,8 @@ def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool,
     products: 1, or 2 or 3 stacked along M sharing B (stack "m", the class's `Grouped` entry
     point) or summed along K into one C (stack "k", `Summed`), batched or not). `batched`: 0 (one
     product), 1 (a batch, C[l] = A[l] . B[l]^T) or G > 1 (a batch of sums over G consecutive
-    products, C[l] = sum over j < G of A[G l + j] . B[G l + j]^T: 056's sums over the query heads
-    of a kv head's group, their k-tiles laid end to end)."""
+    products, C[l] = sum over j < G of A[G l + j] . B[G l + j]^T: the decoder layer's sums over
+    the query heads of a kv head's group, their k-tiles laid end to end)."""
     if epilogue is not STORE and c_dtype != "bfloat16":
         raise ValueError(f"the {epilogue.name!r} epilogue writes bf16 C, got {c_dtype}")
     if products not in (1, 2, 3) or products > 1 and epilogue is not STORE:
@@ -207,10 +208,10 @@ def work(schedule, tiles, k_tiles, cluster_size, base=0):
     return units, (cta, ctas, dp_tiles, dp_units, start, end, k_tiles, per)
 
 
-# grid_barrier's step a use: a power of two above any grid. H200 (session 28, graph replay, one
-# process): against a count the last CTA reset and a generation word it bumped (one more atomic
-# on the path), 051 went 13.36 -> 12.72 us at 1x131, 19.73 -> 19.07 at 1x1024, 82.62 -> 82.12
-# at 1x8192.
+# grid_barrier's step a use: a power of two above any grid. H200 (graph replay, one process):
+# against a count the last CTA reset and a generation word it bumped (one more atomic on the
+# path), the QKV backward went 13.36 -> 12.72 us at 1x131, 19.73 -> 19.07 at 1x1024, 82.62 ->
+# 82.12 at 1x8192.
 ARRIVALS_PER_USE = 1 << 16
 
 

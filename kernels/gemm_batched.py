@@ -1,15 +1,15 @@
-"""Batched products (for 056's attention backward): C[l] = A[l] . B[l]^T for every l of a
-[L1, L2] (or [L]) batch in one persistent launch of the GEMM core, each operand read in place
-through its strides. 056's per-(batch, head) products come straight from its tensors, e.g.
-g_p = g_ao . v_rep^T with g_ao the [b, 32, s, d] view of a [b, s, 32 * d] tensor (strides
-(s * 5120, d, 5120, 1)): the two batch dimensions keep their own strides (gemm.batch_last).
-The batch's tiles are laid end to end in one schedule (waves, stream-K), and every fused
-epilogue but row_dot works per product: softmax_bwd with P [.., M, N] and D [.., M],
+"""Batched products (for the decoder layer's attention backward): C[l] = A[l] . B[l]^T for every
+l of a [L1, L2] (or [L]) batch in one persistent launch of the GEMM core, each operand read in
+place through its strides. The layer's per-(batch, head) products come straight from its
+tensors, e.g. g_p = g_ao . v_rep^T with g_ao the [b, 32, s, d] view of a [b, s, 32 * d] tensor
+(strides (s * 5120, d, 5120, 1)): the two batch dimensions keep their own strides
+(gemm.batch_last). The batch's tiles are laid end to end in one schedule (waves, stream-K), and
+every fused epilogue but row_dot works per product: softmax_bwd with P [.., M, N] and D [.., M],
 rope_inverse with cos/sin [.., M, d] (a table shared by heads is an expand()ed view, stride 0:
 tables are read by plain loads, not TMA). A batch may also sum G consecutive products into each
-output (`group_sum`): 056's dk and dv, each kv head's sum over its group of query heads, as one
-product with the group's k-tiles laid end to end (K = G s), not G per-head products and a pass
-adding them.
+output (`group_sum`): the layer's dk and dv, each kv head's sum over its group of query heads,
+as one product with the group's k-tiles laid end to end (K = G s), not G per-head products and a
+pass adding them.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
     in front (rows [.., M]; rope tables [.., M, d]); row_dot is not batched. `group_sum` G > 1:
     a and b are [L1, G * L2, ..] and every other tensor [L1, L2, ..], out[l1, l2] = sum over
     j < G of a[l1, G * l2 + j] . b[l1, G * l2 + j]^T, accumulated in fp32 and rounded once (the
-    query heads h = G * l2 + j of 056's kv head l2). Returns out (and out2 for dswiglu)."""
+    query heads h = G * l2 + j of the decoder layer's kv head l2). Returns out (and out2 for
+    dswiglu)."""
     import torch
 
     if epilogue == "add" and out is None:

@@ -1,4 +1,4 @@
-"""Grouped products (issue 7), each operand read in place from its own tensor (no
+"""Grouped products, each operand read in place from its own tensor (no
 concatenation copy), in one persistent launch of the GEMM core:
 - matmul_nt_grouped: C_i = A_i . B^T for two or three products that share B, e.g. the q/k/v
   weight gradients dW_i = dY_i^T . X of one layer (B = the X^T view). The products'

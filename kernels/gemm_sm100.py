@@ -42,7 +42,8 @@ from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_p
 EPILOGUE_WARPS = (0, 1, 2, 3)
 MMA_WARP, TMA_WARP = 4, 5
 EPILOGUE_THREADS = 32 * len(EPILOGUE_WARPS)
-ROPE_SUBTILE = 16  # rope_inverse's subtile width: d/2 (80 for 056's d = 160) is a whole number of them
+# rope_inverse's subtile width: d/2 (80 for the decoder layer's d = 160) is a whole number of them
+ROPE_SUBTILE = 16
 ACCUMULATORS = 2  # tensor-memory accumulator buffers: the epilogue of one unit under the next's MMAs
 # Named barriers (0 is the CTA-wide one): the epilogue warps among themselves, and the
 # epilogue + MMA warps around the tensor-memory allocation.
@@ -624,22 +625,22 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", (
     (GemmTiling(tile_m=128, tile_n=64), True, False, "bfloat16"),
     (GemmTiling(tile_m=64, tile_n=128), True, True, "bfloat16"),
     (GemmTiling(cluster_m=2), True, False, "float32"),
-    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
+    (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # the decoder layer's g_sw product
     (GemmTiling(), True, False, "bfloat16", ADD),
-    # 056's g_ao = g_attn . Wo with D = rowsum(g_ao * P v) per head (160 columns)
+    # The decoder layer's g_ao = g_attn . Wo with D = rowsum(g_ao * P v) per head (160 columns)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
-    # 056's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
+    # The decoder layer's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
     (GemmTiling(cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),
-    # 056's g_q = inverse RoPE of g_qr = g_s . k_rep, one 160-column head a tile
+    # The decoder layer's g_q = inverse RoPE of g_qr = g_s . k_rep, one 160-column head a tile
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
-    # 056's attention backward per (batch, head), read through the [b, s, heads, d] strides:
+    # The decoder layer's attention backward per (batch, head), read through the [b, s, heads, d] strides:
     # g_s = P * (g_ao . v^T - D) / sqrt(160), and g_q = inverse RoPE of g_s . k_rep
     (GemmTiling(cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5), 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
-    # 056's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
+    # The decoder layer's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", STORE, 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", True),
-    # and as 056 runs them, summed over each kv head's four query heads: dv = sum P^T . g_ao, dk =
+    # and as the decoder layer runs them, summed over each kv head's four query heads: dv = sum P^T . g_ao, dk =
     # inverse RoPE of sum g_s^T . q_rot (A M-major: P and g_s read transposed in place)
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", 4),
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", ROPE_INVERSE, 1, "m", 4),

@@ -21,7 +21,7 @@ Structure (warp-specialized, persistent, one CTA per SM):
   ring of slots; the team's store warp TMA-loads a piece of every input into a slot (the
   first ones while the tile's MMAs run, the next once a slot's stores have read it), every
   thread reads its elements by ldmatrix, and the outputs go over the inputs after a team sync
-  and leave by TMA stores (tools/reports/epilogue-notes.md);
+  and leave by TMA stores (docs/design-gemm.md);
 - the schedule (layouts.gemm): cluster tiles in grouped order, whole waves data-parallel
   (tile = cluster + u * clusters); a ragged last wave (plus one full wave) is hybrid stream-K:
   its k-iterations are dealt out evenly, and the cluster that holds a tile's last k-iterations
@@ -29,7 +29,7 @@ Structure (warp-specialized, persistent, one CTA per SM):
   the result is bitwise repeatable.
 Ragged edges (M, N, K not tile multiples) are TMA's bounds: loads fill zeros, stores clip.
 The tiling (tile shape, cluster, raster) comes from layouts/gemm.py, shared with the Blackwell
-twin. Measured against cuBLAS: tools/reports/gemm-notes.md.
+twin. Design and measurements against cuBLAS: docs/design-gemm.md.
 """
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ class Sm90Gemm:
         """This product and `second` in one launch: the CTAs below this product's CTA count run
         it, the rest run `second`, whose schedule counts them from there. Both have the same
         prologue (every CTA runs it, then the grid barrier) and side job, so `second` reads what
-        the prologue wrote with no second launch (051 at small T: -4 us of host time a call).
+        the prologue wrote with no second launch (the QKV backward at small T: -4 us of host time
+        a call).
         first_call, second_call: `_launch`'s arguments for each, less the stream."""
         if (second.threads, second.cluster_size, self.cluster_size) != (self.threads, 1, 1) or second.prologue is None:
             raise ValueError("a launched pair needs one thread count, 1 x 1 clusters and a prologue in both")
@@ -677,26 +678,27 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", (
     # a 1 x 2 cluster (A multicast): what a 2 x 1 pick turns into over an odd count of tile rows
     (GemmTiling(tile_n=256, cluster_n=2), True, False, "bfloat16"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),
-    (GemmTiling(tile_n=256, cluster_n=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw at 613 tokens
-    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # 056's g_sw product
+    (GemmTiling(tile_n=256, cluster_n=2), True, False, "bfloat16", DSWIGLU),  # the decoder layer's g_sw at 613 tokens
+    (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # the decoder layer's g_sw product
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
-    # 056's g_ao = g_attn . Wo with D = rowsum(g_ao * P v) per head (160 columns)
+    # The decoder layer's g_ao = g_attn . Wo with D = rowsum(g_ao * P v) per head (160 columns)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
-    # 056's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
+    # The decoder layer's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
     (GemmTiling(pingpong=True, cluster_m=2), True, True, "bfloat16", dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5)),
-    # 056's g_q = inverse RoPE of g_qr = g_s . k_rep, one 160-column head a tile (B N-major: k_rep read in place)
+    # The decoder layer's g_q = inverse RoPE of g_qr = g_s . k_rep, one 160-column head a tile
+    # (B N-major: k_rep read in place)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE),
-    # 056's attention backward per (batch, head), read through the [b, s, heads, d] strides:
+    # The decoder layer's attention backward per (batch, head), read through the [b, s, heads, d] strides:
     # g_s = P * (g_ao . v^T - D) / sqrt(160), and g_q = inverse RoPE of g_s . k_rep
     (GemmTiling(pingpong=True, cluster_m=2, epilogue_input_stages=SHORT_K_INPUT_STAGES), True, True, "bfloat16",
      dataclasses.replace(SOFTMAX_BWD, alpha=160**-0.5), 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROPE_INVERSE, 1, "m", True),
     (GemmTiling(tile_m=64, tile_n=160, cluster_m=2, pingpong=True), True, False, "bfloat16", ROPE_INVERSE, 1, "m",
-     True),  # the same at K <= 1024, as 056 runs it
-    # 056's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
+     True),  # the same at K <= 1024, as the decoder layer runs it
+    # The decoder layer's P . v and dv = P^T . g_ao per (batch, head): one 160-column head a tile, B read in place
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", STORE, 1, "m", True),
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", True),
-    # and as 056 runs them, summed over each kv head's four query heads: dv = sum P^T . g_ao, dk =
+    # and as the decoder layer runs them, summed over each kv head's four query heads: dv = sum P^T . g_ao, dk =
     # inverse RoPE of sum g_s^T . q_rot (A M-major: P and g_s read transposed in place)
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", STORE, 1, "m", 4),
     (GemmTiling(tile_n=160, cluster_m=2), False, False, "bfloat16", ROPE_INVERSE, 1, "m", 4),

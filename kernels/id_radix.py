@@ -1,8 +1,8 @@
-"""087's index pass for large calls, native: a stable LSD radix sort of the token ids on two
-8-bit digits, three kernels in one FFI call. It replaces the range pass, PyTorch's stable
-sort (ten operations: a copy, an index fill, four memsets, a histogram, a scan, two
-onesweep passes) and the widening: 24 us less a call at 32K tokens (tools/reports/087-notes.md,
-session 11).
+"""The embedding backward's index pass for large calls, native: a stable LSD radix sort of the
+token ids on two 8-bit digits, three kernels in one FFI call. It replaces the range pass,
+PyTorch's stable sort (ten operations: a copy, an index fill, four memsets, a histogram, a scan,
+two onesweep passes) and the widening: 24 us less a call at 32K tokens on the H200
+(docs/design-embedding.md).
 
 The ids are cut into chunks of CHUNK tokens, one CTA each, in every kernel:
 1. `counts`: per chunk, the smallest and largest id (for the host's check and the verdict
@@ -157,7 +157,7 @@ class IdRadixSort:
     With `mark_touched`, also `touched` [TOUCHED_WORDS] int32: bit k set when id k occurs (key
     k, so exact once the range check passes). The counts pass zeroes it and the low pass sets
     the bits, one integer atomic OR per distinct id in each warp's round: an order-free result.
-    087's fresh tables use it to zero only the rows no token touches."""
+    The embedding backward's fresh tables use it to zero only the rows no token touches."""
 
     def __init__(self, mark_touched: bool = False):
         self.mark_touched = mark_touched
@@ -277,7 +277,8 @@ def build(ids_dtype, arch: str, dump_dir=None, mark_touched: bool = False):
 
 @dataclasses.dataclass
 class IndexBuffers:
-    """One stream's buffers for 087's index passes that report id ranges to the host."""
+    """One stream's buffers for the embedding backward's index passes that report id ranges to
+    the host."""
     counts: object  # [2 MAX_CHUNKS, DIGITS] int32
     ranges: object  # [MAX_CHUNKS, 2] int64 on the device: per chunk (radix) or per CTA (RangeAndKeys)
     host_ranges: object  # the same in pinned memory, for the host's check

@@ -1,5 +1,6 @@
-"""087's index pass: the token ids sorted in one CTA's shared memory (small calls), and for
-large calls the ids' range and narrowed sort keys in one pass (PyTorch sorts the keys).
+"""The embedding backward's index pass: the token ids sorted in one CTA's shared memory (small
+calls), and for large calls the ids' range and narrowed sort keys in one pass (PyTorch sorts the
+keys).
 
 On chip (`sort_ids`):
 
@@ -129,7 +130,7 @@ class WidenKeys:
     keys, and the ranges' verdict for the kernels that read the sorted ids: with any id outside
     [0, vocab), sorted_ids[0] = -1, which their check of the sorted ends refuses, so they write
     nothing. The host can then queue every launch before it waits for the ranges (waiting
-    first left the GPU idle ~25 us a call at 32K tokens, session 11's profile)."""
+    first left the GPU idle ~25 us a call at 32K tokens, in a profile on the H200)."""
 
     THREADS = 256
 

@@ -1,14 +1,14 @@
 """Rows of bf16 copied into rows whose stride TMA can step (a multiple of 16 bytes).
 
-056's attention probabilities P [b, heads, s, s] at a sequence length that is not a multiple of
-8 have rows TMA cannot step, so the layer copies them into padded rows first. PyTorch's
-strided copy moves such rows 2 bytes at a time (1.7 TB/s on the H200, 2.2x a contiguous clone
-of the same bytes). Here each thread writes one 16-byte piece of a padded row (aligned, since
-the padded stride is a multiple of 8 elements) and gathers its 8 elements from the unaligned
-source row with 2-byte loads: a warp's 32 pieces are one contiguous stretch of the source, so
-its loads share sectors and DRAM sees each byte once. The padding past a row's end is written
-with zeros up to the next 8-element boundary (the buffer has it; nothing reads it).
-Session 18 on the H200, ms (PyTorch's copy_ / this / a contiguous clone of the source): 449 x 16
+The decoder layer's attention probabilities P [b, heads, s, s] at a sequence length that is not
+a multiple of 8 have rows TMA cannot step, so the layer copies them into padded rows first.
+PyTorch's strided copy moves such rows 2 bytes at a time (1.7 TB/s on the H200, 2.2x a
+contiguous clone of the same bytes). Here each thread writes one 16-byte piece of a padded row
+(aligned, since the padded stride is a multiple of 8 elements) and gathers its 8 elements from
+the unaligned source row with 2-byte loads: a warp's 32 pieces are one contiguous stretch of the
+source, so its loads share sectors and DRAM sees each byte once. The padding past a row's end is
+written with zeros up to the next 8-element boundary (the buffer has it; nothing reads it).
+Measured on the H200, ms (PyTorch's copy_ / this / a contiguous clone of the source): 449 x 16
 0.238 / 0.117 / 0.104, 373 x 8 0.086 / 0.045 / 0.041, 613 x 1 0.031 / 0.019 / 0.017. At 211 x 2
 (11 MB) a tight loop of calls is host-bound, 0.009 / 0.016: this call's checks cost more than
 PyTorch's, which the layer hides (its host runs ahead of the GPU there).
@@ -38,8 +38,8 @@ class PaddedRows:
 
     @cute.kernel
     def kernel(self, src: cute.Tensor, dst: cute.Tensor):
-        # A programmatic dependent launch (as 013's row kernel): CTAs take their SMs as the kernel
-        # before retires and wait here, before any global access, for its writes.
+        # A programmatic dependent launch (as the RMSNorm row kernel): CTAs take their SMs as the
+        # kernel before retires and wait here, before any global access, for its writes.
         cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()

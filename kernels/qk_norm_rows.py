@@ -1,5 +1,5 @@
-"""The Q/K norm backward rows of L1/051 (Gemma3 RMSNorm with scale 1 + w), as the prologue of
-051's summed product, per (token, head) row of head dim d:
+"""The Q/K norm backward rows of the QKV backward (Gemma3 RMSNorm with scale 1 + w), as the
+prologue of its summed product, per (token, head) row of head dim d:
 
     g  = fp32(grad_query);  n = fp32(q_normed)
     gn = fp32(bf16(g * (1 + q_norm_weight)))                     (rounded as the contract does)
@@ -99,14 +99,14 @@ def on_side(r, rows_q, total, sides, body):
 
 class QkNormBackward:
     """dq, dk and the per-CTA partials of both norm-weight gradients (the caller adds them:
-    051's summed product does it in its idle warps, column_sum.ColumnSumsInWarps).
+    the QKV backward's summed product does it in its idle warps, column_sum.ColumnSumsInWarps).
 
     `run` is the whole pass for the threads of one CTA, written as another kernel's prologue
-    (the GEMM core's `prologue`: every CTA of 051's summed product's persistent grid, before
-    its main loop). A Hopper GEMM CTA has 12 warps, against the 32 an SM of a kernel of its
-    own, so each warp keeps several rows' loads in flight (the module's docstring has the
-    measurements). The q rows go token-major: a token's heads on neighbouring warps, which
-    write one contiguous run of dq."""
+    (the GEMM core's `prologue`: every CTA of the QKV backward's summed product's persistent
+    grid, before its main loop). A Hopper GEMM CTA has 12 warps, against the 32 an SM of a
+    kernel of its own, so each warp keeps several rows' loads in flight (the module's docstring
+    has the measurements). The q rows go token-major: a token's heads on neighbouring warps,
+    which write one contiguous run of dq."""
 
     def __init__(self, head_dim: int):
         self.head_dim = head_dim

@@ -1,5 +1,5 @@
-"""L1/051 Gemma3 QKV projection with Q/K RMSNorm backward: the GEMM core's summed and grouped
-modes (issue 7) from one host call, in one launch at small T and two otherwise.
+"""The QKV projection with Q/K RMSNorm backward (Gemma3): the GEMM core's summed and grouped
+modes from one host call, in one launch at small T and two otherwise.
 
     launch 1, the summed product:
       prologue (every CTA, then a grid barrier)     dq, dk, per-CTA norm-weight partials
@@ -12,16 +12,17 @@ modes (issue 7) from one host call, in one launch at small T and two otherwise.
 
 Why one host call and few launches: on the H200 host each torch view, transpose or allocation
 costs ~3-6 us and each launch from a compiled host function ~4.3 us (the TVM-FFI call itself
-well under 1 us), so the first version (three host calls, five launches, dq/dk allocated and
-viewed in Python) spent ~140 us of host time on calls whose GPU time is 20-60 us
-(tools/reports/051-plan.md). Here every view is a CuTe layout built inside the compiled host
-function, dq/dk live in a per-stream scratch buffer, and the norm rows and the norm-weight
-sums ride in the summed product (session 15, one process, mean a call over the 16 workloads
-with out=: four launches 50.6 us, three 43.9-46.1, two 41.7; tools/reports/051-plan.md).
+well under 1 us), so the op as three host calls and five launches, with dq/dk allocated and
+viewed in Python, spent ~140 us of host time on calls whose GPU time is 20-60 us. Here every
+view is a CuTe layout built inside the compiled host function, dq/dk live in a per-stream
+scratch buffer, and the norm rows and the norm-weight sums ride in the summed product (measured
+on the H200, one process, mean a call over the 16 workloads with out=: four launches 50.6 us,
+three 43.9-46.1, two 41.7).
 
-dq and dk still go through global memory (bf16, one [T, (heads + 1) * d] buffer: dq's columns,
-then dk's); issue 9's aim, dq and dk made inside the products' operand path and never written,
-is the next step.
+dq and dk go through global memory (bf16, one [T, (heads + 1) * d] buffer: dq's columns, then
+dk's). Making them inside the products' operand path instead, never written, measured slower on
+Hopper, where the warps that issue the warpgroup MMAs would have to run the transform too; it
+would need Blackwell, whose MMAs one thread issues (docs/design-qkv.md).
 
 Compile-time: head_dim, q heads and the hidden size (a model's dimensions) and the two
 products' tilings (picked per token count by the GEMM core's rules: three builds cover the 16
@@ -72,9 +73,9 @@ class QkvQkNormBackward:
         main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
         # Both launches under programmatic dependent launch: a product's CTAs start (barriers,
         # descriptors) as the previous kernel's retire. The norm-weight gradients' column sums
-        # run in the summed product's idle warps instead of a launch of their own. (Session 15,
-        # one process, mean a call over the 16 workloads: 50.6 us with neither, 48.6 with PDL,
-        # 44.6 with both.)
+        # run in the summed product's idle warps instead of a launch of their own. (H200, one
+        # process, mean a call over the 16 workloads: 50.6 us with neither, 48.6 with PDL, 44.6
+        # with both.)
         # Paired (Hopper, `paired_clusters`): the weight gradients read only the prologue's
         # dq/dk, so the CTAs the summed product's schedule leaves idle run them past the grid
         # barrier, in the same launch (so they too run the prologue and the side job).
@@ -184,14 +185,14 @@ def paired_clusters(arch: str, summed: GemmTiling, grouped: GemmTiling, rows: in
     the same), and where both products' CTAs are alike (one CTA a cluster, the same warpgroups).
 
     H200, graph replay us, one process:
-    - session 27, the weight gradients launched second and gated on the grid barrier, on the
-      idle SMs, against after the summed product: 1x131 13.67 vs 16.17, 4x128 15.38 vs 17.43.
+    - the weight gradients launched second and gated on the grid barrier, on the idle SMs,
+      against after the summed product: 1x131 13.67 vs 16.17, 4x128 15.38 vs 17.43.
       On every SM instead (its CTAs start wherever a summed CTA retires): 1x131 15.77, 4x128
       17.92, 1x2048 28.30 vs 30.06, 1x1024 20.50 vs 20.06, 4x256 20.16 vs 19.75, 1x8192 87.0 vs
       83.3: so only where the idle SMs suffice (T <= 512 at Gemma's dims).
-    - session 29, paired in one launch against gated: 1x131 11.99 -> 10.79, 2x128 11.89 ->
-      10.54, 4x128 14.01 -> 13.52, 1x512 14.13 -> 13.46; host time a call with out= (the host
-      slow that run) 17.7 -> 13.9, 22.1 -> 14.5, 26.3 -> 21.6, 24.2 -> 19.4."""
+    - paired in one launch against gated: 1x131 11.99 -> 10.79, 2x128 11.89 -> 10.54, 4x128
+      14.01 -> 13.52, 1x512 14.13 -> 13.46; host time a call with out= (the host slow that run)
+      17.7 -> 13.9, 22.1 -> 14.5, 26.3 -> 21.6, 24.2 -> 19.4."""
     alike = (summed.cluster_m * summed.cluster_n == 1 == grouped.cluster_m * grouped.cluster_n
              and summed.mma_warpgroups == grouped.mma_warpgroups)
     if arch not in PAIRED_ARCHS or not alike:
@@ -213,17 +214,17 @@ def pairing(tokens: int, hidden: int, widths, gpu: Gpu):
 def summed_tiling(tokens: int, hidden: int, width: int, gpu: Gpu) -> GemmTiling:
     """grad_hidden's tiling: the GEMM core's rules, but for two bands measured better."""
     if gpu.arch == "sm_90a" and tokens <= 256:
-        # 64 x 64 tiles: twice the CTAs on grad_hidden, and the idle ones still take the
-        # weight gradients paired (paired_clusters). H200 (session 28, graph replay): 1x131
-        # 12.72 -> 11.86 us, 2x128 12.55 -> 11.93; at 4x128 (80 CTAs, too few idle to pair)
-        # 14.12 -> 15.73, so not there. Not a shorter K loop per CTA: clock stamps of one call
-        # put each k-tile at ~150-165 ns with either tile (the gain is not explained yet).
+        # 64 x 64 tiles: twice the CTAs on grad_hidden, and the idle ones still take the weight
+        # gradients paired (paired_clusters). H200 (graph replay): 1x131 12.72 -> 11.86 us,
+        # 2x128 12.55 -> 11.93; at 4x128 (80 CTAs, too few idle to pair) 14.12 -> 15.73, so not
+        # there. Not a shorter K loop per CTA: clock stamps of one call put each k-tile at
+        # ~150-165 ns with either tile (the gain is not explained yet).
         return GemmTiling(tile_m=64, tile_n=64)
     if gpu.arch == "sm_90a" and 3072 <= tokens < 6144 and hidden % 160 == 0:
-        # Swept on the H200 (session 14, graph replay, Gemma-3-270m dims): at T = 4096 the
-        # rules' 128x128c2x1p took 18.7 us and 128 x 160 tiles in 2 x 1 clusters 14.0 (four
-        # column tiles of N = 640: 32 x 4 = 128 tiles, one wave); at T = 2048 and 8192 the
-        # rules' picks were within 2% of the best.
+        # Swept on the H200 (graph replay, Gemma-3-270m dims): at T = 4096 the rules'
+        # 128x128c2x1p took 18.7 us and 128 x 160 tiles in 2 x 1 clusters 14.0 (four column
+        # tiles of N = 640: 32 x 4 = 128 tiles, one wave); at T = 2048 and 8192 the rules' picks
+        # were within 2% of the best.
         return GemmTiling(tile_m=128, tile_n=160, cluster_m=2)
     return default_tiling(tokens, hidden, width, gpu)
 
@@ -234,9 +235,9 @@ def grouped_tiling(tokens: int, hidden: int, width: int, gpu: Gpu) -> GemmTiling
     shared B, multicast to four CTAs: a quarter of its L2 reads; cuBLAS's pick for this product,
     in its transposed terms, is the same tile and cluster). H200, graph replay turn by turn,
     Gemma-3-270m dims:
-    - session 25, the product alone at T = 4096 / 8192: 2 x 1 clusters 16.2 / 29.6 us against
+    - one run, the product alone at T = 4096 / 8192: 2 x 1 clusters 16.2 / 29.6 us against
       18.0 / 33.3 for 128 x 64 and 21.0 / 32.6 for 128 x 128 in 2 x 1 clusters split-K;
-    - session 29, the product alone: 4 x 1 clusters 15.1 / 31.1 against 16.5 / 30.9 for 2 x 1
+    - another, the product alone: 4 x 1 clusters 15.1 / 31.1 against 16.5 / 30.9 for 2 x 1
       (cuBLAS 12.9 / 26.3); the whole op at 4096 / 8192 / 541 x 16: 45.18 / 81.74 / 87.71
       against 46.44 / 82.01 / 88.48."""
     if gpu.arch == "sm_90a" and tokens >= 3072:
@@ -270,9 +271,9 @@ def audit_expects(summed: GemmTiling, head_dim: int = 256) -> dict:
     (LOCAL), where the norm prologue's per-lane state shares the kernel's registers:
     - sm_90a, 256 x 160 tiles (the summed product from T = 6144): ptxas spills three values (an
       address set up before the tile loop, 7 LDL/STL, none in the MMA loop) in the consumer
-      warpgroups; without the prologue it did not. Kept because it measured fastest (session
-      15, H200, graph replay us, T = 8192 / 128x64 / 541x16 workloads): 256x160 85.7 / 87.0 /
-      92.1, against the best spill-free tiling, 128x128c2x1p, 88.7 / 88.3 / 92.3;
+      warpgroups; without the prologue it did not. Kept because it measured fastest (H200,
+      graph replay us, T = 8192 / 128x64 / 541x16 workloads): 256x160 85.7 / 87.0 / 92.1,
+      against the best spill-free tiling, 128x128c2x1p, 88.7 / 88.3 / 92.3;
     - sm_100a at head_dim > 512 (an odd shape; Gemma's 256 holds none): four 16-byte vectors a
       lane of each row and the per-lane sums and scales (qk_norm_rows) in a kernel of 192
       threads at 255 registers; every summed tiling tried spills (64x128 4 LDL/STL, 128x64 12,
@@ -421,8 +422,8 @@ def _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim, norm_gr
     from .checks import check_same_device, check_tensor
 
     if out is None:
-        # empty_like is the cheapest allocation on the H200 host (session 30: 1.73-1.98 us a
-        # tensor against 2.20-2.48 for torch.empty(shape, dtype=, device=))
+        # empty_like is the cheapest allocation on the H200 host (1.73-1.98 us a tensor against
+        # 2.20-2.48 for torch.empty(shape, dtype=, device=))
         norm = (torch.empty_like(norm_grad_like) if norm_grad_like is not None
                 else torch.empty(head_dim, dtype=torch.float32, device=hidden_states.device))
         return (torch.empty_like(hidden_states), torch.empty_like(q_weight), torch.empty_like(k_weight),
@@ -441,15 +442,15 @@ def _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim, norm_gr
 def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight,
                         q_norm_weight, k_norm_weight, query_transposed, key_transposed, q_rstd, k_rstd, q_normed,
                         k_normed, rms_norm_eps=1e-6, *, out=None):
-    """L1/051 -> (grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight,
-    grad_q_norm_weight, grad_k_norm_weight), as semantics.md says (rms_norm_eps is already
-    inside the given rstd). Per-head tensors [b, heads, s, d] are read in place through their
-    strides (unit last stride, others multiples of 8); grad_value is read in place as the
-    [T, d] operand, so one kv head (Gemma-3-270m's) with contiguous rows. query_transposed and
-    key_transposed are not read and not checked (contract version 2 takes dq/dk from q_normed /
-    k_normed); they may be None. out= takes the six outputs. The norm-weight gradients are
-    bitwise repeatable (fixed-order sums); the weight gradients as the GEMM core's split-K is
-    (fixed order). Two launches, one host call."""
+    """The QKV projection with Q/K RMSNorm backward -> (grad_hidden_states, grad_q_weight,
+    grad_k_weight, grad_v_weight, grad_q_norm_weight, grad_k_norm_weight), as semantics.md says
+    (rms_norm_eps is already inside the given rstd). Per-head tensors [b, heads, s, d] are read
+    in place through their strides (unit last stride, others multiples of 8); grad_value is read
+    in place as the [T, d] operand, so one kv head (Gemma-3-270m's) with contiguous rows.
+    query_transposed and key_transposed are not read and not checked (contract version 2 takes
+    dq/dk from q_normed / k_normed); they may be None. out= takes the six outputs. The
+    norm-weight gradients are bitwise repeatable (fixed-order sums); the weight gradients as the
+    GEMM core's split-K is (fixed order). One or two launches, one host call."""
     inputs = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
               k_norm_weight, q_rstd, k_rstd, q_normed, k_normed)
     try:

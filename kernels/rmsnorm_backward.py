@@ -1,4 +1,4 @@
-"""L1/013 fused residual RMSNorm backward, one pass over the rows.
+"""The fused residual RMSNorm backward, one pass over the rows.
 
     g = fp32(grad_output);  gn = g * weight
     dx = rstd * (gn - normalized * sum_j(gn_j normalized_j) / H)
@@ -24,7 +24,7 @@ Up to ONE_LAUNCH_MAX_ROWS rows the op is one launch of one 16-CTA cluster instea
 leaves its partial row in shared memory and, after a cluster barrier, adds a slice of the
 columns over all 16 partials through distributed shared memory, in CTA order (still bitwise
 repeatable). No workspace and no second launch: at 128 rows the two-launch call is bound by
-its host time, and a launch costs ~2.7 us of it (tools/reports/013-notes.md, session 8).
+its host time, and a launch costs ~2.7 us of it (measured on the H200; docs/design-rmsnorm.md).
 Where the device holds two such clusters at once, the launch is two of them: a cluster sits in
 one GPC, whose path to memory set the one-cluster pace, and two GPCs stream twice the rows. The
 second cluster hands its column sums to the first through global memory (a release/acquire
@@ -46,24 +46,25 @@ from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake
                    load_remote_vector, read_row, ring_stages, row_sum, rows_view, thread_split, vector, wide_copy)
 
 TARGET_VECTORS_PER_THREAD = 5  # H = 2560 -> 128 threads x 5 vectors, no predication
-# 056's form (one CTA per SM, three-row ring): 640 threads x 2 vectors at H = 5120. Session 19,
-# interleaved on the H200, us per pass at 7184 / 2048 / 613 / 256 rows: 127.2 / 42.9 / 14.6 / 11.4
-# against 138.4 / 46.2 / 15.4 / 11.6 at 256 x 5 (320 x 4 and 448 x 3 slower still; two or three
-# CTAs per SM without a ring slower too). 7184 rows is 515 MB: 95% of copy bandwidth.
+# The decoder layer's form (one CTA per SM, three-row ring): 640 threads x 2 vectors at H = 5120.
+# Timed interleaved on the H200, us per pass at 7184 / 2048 / 613 / 256 rows: 127.2 / 42.9 /
+# 14.6 / 11.4 against 138.4 / 46.2 / 15.4 / 11.6 at 256 x 5 (320 x 4 and 448 x 3 slower still;
+# two or three CTAs per SM without a ring slower too). 7184 rows is 515 MB: 95% of copy bandwidth.
 DECODER_VECTORS_PER_THREAD = 2
 PREFETCH_MAX_BYTES = 56 * 1024  # ring size per CTA: four CTAs per SM still fit
 MAX_STAGES = 4  # H = 2560: 3 stages (46 KB) on either path
 # The one-launch path: 16 CTAs, a non-portable cluster size (the op asks the driver whether the
-# device holds one, else it keeps two launches). Measured on the H200 (session 8), per call with
+# device holds one, else it keeps two launches). Measured on the H200, per call with
 # out=: 9.8-10.2 us at 128 rows, GPU-bound (9.1-9.3 us of graph replay; 8 CTAs took 15), where
 # the two launches are host-bound at 10-17 us (their host time varies run to run). Its GPU time
 # grows ~1 us per 16 rows: 10.7 us at 131 rows, 11.7 at 160, where the two launches measured
 # 10.2-14 us; so it ends at 144 rows.
 ONE_CLUSTER = 16
-# Rows up to which the one-launch path runs, by its cluster count. Session 9, per call with
-# out= around the Python call (CUDA-graph replay), with normalized: 128 rows one cluster 10.2-10.4
-# us (8.9-9.2), two clusters 8.4 (8.5), two launches 10.2-11.0 (4.5: host-bound); 200 rows two
-# clusters 10.1, two launches 10.5-11.1; 256 rows 11.4-11.6 against 10.9-11.0.
+# Rows up to which the one-launch path runs, by its cluster count: the crossovers, measured on
+# the H200 per call with out= around the Python call (CUDA-graph replay), with normalized: 128
+# rows one cluster 10.2-10.4 us (8.9-9.2), two clusters 8.4 (8.5), two launches 10.2-11.0 (4.5:
+# host-bound); 200 rows two clusters 10.1, two launches 10.5-11.1; 256 rows 11.4-11.6 against
+# 10.9-11.0.
 ONE_LAUNCH_MAX_ROWS = {1: 144, 2: 224}
 # One CTA per SM on the one-launch path, so its ring may take most of the shared memory: the
 # cluster's 16 SMs have to stream every row.
@@ -73,14 +74,15 @@ ONE_CLUSTER_STAGES = 8
 
 @dataclasses.dataclass(frozen=True)
 class RowForm:
-    """What a row pass reads and writes besides the norm's math: 013's form by default. 056's
-    two norms (kernels.decoder_layer_backward) take the gradient in fp32 (a product's output),
-    x and the weight in bf16, rstd as rsqrt(variance + eps), and add the residual branch's bf16
-    gradient into their one output: out = bf16(residual_grad + dx).
+    """What a row pass reads and writes besides the norm's math: the fused residual RMSNorm
+    backward's form by default. The decoder layer's two norms (kernels.decoder_layer_backward)
+    take the gradient in fp32 (a product's output), x and the weight in bf16, rstd as
+    rsqrt(variance + eps), and add the residual branch's bf16 gradient into their one output:
+    out = bf16(residual_grad + dx).
 
-    dx_from_x: where normalized is read, dx still comes from x, which is read as well (056's
-    contract); otherwise (013's) dx comes from normalized and x is not read. Without normalized
-    the pass always reads x and takes dx from it."""
+    dx_from_x: where normalized is read, dx still comes from x, which is read as well (the
+    decoder layer's contract); otherwise (the default form's) dx comes from normalized and x is
+    not read. Without normalized the pass always reads x and takes dx from it."""
     grad: type = BFloat16
     x: type = Float32
     weight: type = Float32
@@ -92,7 +94,8 @@ class RowForm:
         return self.dx_from_x or not read_normalized
 
     def key(self) -> tuple:
-        """The build key's part: 013's builds keep their old keys, and 056's (dx from x) too."""
+        """The build key's part: the default form's builds keep their old keys, and the decoder
+        layer's (dx from x) too."""
         if self == RowForm():
             return ()
         return (self.grad.__name__, self.x.__name__, self.weight.__name__, self.from_variance,
@@ -102,7 +105,7 @@ class RowForm:
 class FusedResidualRmsNormBackward:
     def __init__(self, hidden: int, read_normalized: bool, clusters: int = 0, form: RowForm = RowForm()):
         """clusters: 0 for the grid path (row kernel + column sum), 1 or 2 for one launch of
-        that many 16-CTA clusters (013's form only)."""
+        that many 16-CTA clusters (the default form only)."""
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden = hidden
@@ -115,17 +118,17 @@ class FusedResidualRmsNormBackward:
             hidden, DECODER_VECTORS_PER_THREAD if form.residual_grad else TARGET_VECTORS_PER_THREAD)
         # The cp.async ring holds `stages` rows of every input (as many as fit in the budget, up
         # to MAX_STAGES) so the next rows load while this one is computed; measured: +2 to 3
-        # points at mid sizes, nothing at the largest (tools/reports/013-notes.md). Too big a
-        # row: no ring.
+        # points at mid sizes, nothing at the largest (docs/design-rmsnorm.md). Too big a row:
+        # no ring.
         row_bytes = hidden * (form.grad.width // 8 + (form.x.width // 8 if self.reads_x else 0)
                               + (4 if read_normalized else 0) + (2 if form.residual_grad else 0))
         self.stages = ring_stages(row_bytes, PREFETCH_MAX_BYTES, MAX_STAGES) if not self.clustered else \
             ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES - 4 * hidden, ONE_CLUSTER_STAGES)
         if form.residual_grad:
-            # 056's rows are 12 bytes an element (61 KB at H = 5120, over the grid's ring budget)
-            # and its grid is one CTA per SM (_FormEntry), so the ring may take most of the
-            # shared memory, as on the one-launch path: three rows (session 19: two rows took
-            # the same at 256 threads, 133.8 against 146.1 us at 448, at 7184 rows).
+            # The decoder layer's rows are 12 bytes an element (61 KB at H = 5120, over the grid's
+            # ring budget) and its grid is one CTA per SM (_FormEntry), so the ring may take most
+            # of the shared memory, as on the one-launch path: three rows (measured at 7184 rows:
+            # two rows took the same at 256 threads, 133.8 against 146.1 us at 448).
             self.stages = ring_stages(row_bytes, ONE_CLUSTER_RING_BYTES, MAX_STAGES)
         # rstd through the ring as well, where there is one: with one CTA per SM an exposed rstd
         # load per row set the one-cluster path's pace (12.2 -> 9.3 us at 128 rows); on the grid
@@ -139,10 +142,10 @@ class FusedResidualRmsNormBackward:
                  grad_residual: cute.Tensor | None, grad_weight: cute.Tensor, workspace: cute.Tensor,
                  ctas: Int32, residual_grad: cute.Tensor | None, eps: Float32 | None, stream: cuda.CUstream):
         """Both launches in one host function, so one FFI call: the row kernel writes `ctas`
-        partial rows of `workspace`, the column sum adds them into grad_weight. 056's form:
-        `rstd` holds the variance, `eps` is given, grad_residual is None and `residual_grad`
-        is added into grad_hidden; 013's passes None for both. x is None where the form does not
-        read it (013's with normalized)."""
+        partial rows of `workspace`, the column sum adds them into grad_weight. The decoder
+        layer's form: `rstd` holds the variance, `eps` is given, grad_residual is None and
+        `residual_grad` is added into grad_hidden; the default form passes None for both. x is
+        None where the form does not read it (the default form with normalized)."""
         m_x, m_norm = self.row_views(x, normalized)
         partials = cute.make_tensor(workspace.iterator, cute.make_layout(
             (ctas, self.hidden), stride=(cute.assume(workspace.stride[0], divby=VECTOR), 1)))
@@ -180,8 +183,8 @@ class FusedResidualRmsNormBackward:
     def kernel(self, m_go: cute.Tensor, m_x, m_norm, m_rstd: cute.Tensor,
                m_w: cute.Tensor, m_gh: cute.Tensor, m_gr, m_part: cute.Tensor, m_handoff, m_add, eps):
         # A programmatic dependent launch: its CTAs take their SMs as the kernel before retires and
-        # wait here, before any global access, for that kernel's writes. Measured (session 23,
-        # timed as tools/bench times): -1 to -1.8 us a call at every size (the largest within
+        # wait here, before any global access, for that kernel's writes. Measured on the H200
+        # (timed as tools/bench times): -1 to -1.8 us a call at every size (the largest within
         # noise), 1024 x 8 90.4 -> 92.6% of copy bandwidth. Triggering the next call's row kernel
         # early (from the column sum's start) lost up to 7% instead: its CTAs then land on SMs
         # beside the column sum's, not evenly GRID_CTAS_PER_SM to an SM.
@@ -475,7 +478,8 @@ _entries: dict = {}
 
 
 def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *, out=None):
-    """L1/013: -> (grad_hidden_states, grad_residual, grad_weight), as semantics.md says.
+    """The fused residual RMSNorm backward: -> (grad_hidden_states, grad_residual, grad_weight),
+    as semantics.md says.
 
     grad_output, x, normalized [b, s, H] with any batch/seq strides that are multiples of 4
     elements and a contiguous last dim (bf16, fp32, fp32); rstd fp32 [b, s, 1]; weight fp32
@@ -489,7 +493,8 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     which checks dtypes, shapes, strides, alignment and device in C and makes the launches
     (one up to ONE_LAUNCH_MAX_ROWS rows, two above);
     the Python checks run on a shape's first call and to explain a rejected call. Each CUDA
-    stream keeps a [<= 3.5 x SMs, H] fp32 workspace for the partial sums (<= 4.7 MB at H = 2560).
+    stream keeps a [3 x SMs, H] fp32 workspace for the partial sums (GRID_CTAS_PER_SM partial
+    rows an SM: about 4 MB at H = 2560 on an H200's 132 SMs).
     """
     try:
         batch, seq, hidden = grad_output.shape
@@ -530,9 +535,9 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     return out
 
 
-# 056's two norms (decoder_layer_backward): the gradient is an fp32 product output, x and the
-# weight bf16, rstd from the variance, the residual branch's gradient added into one output, dx
-# from x (normalized read for grad_weight only).
+# The decoder layer's two norms (decoder_layer_backward): the gradient is an fp32 product output, x
+# and the weight bf16, rstd from the variance, the residual branch's gradient added into one output,
+# dx from x (normalized read for grad_weight only).
 DECODER_FORM = RowForm(grad=Float32, x=BFloat16, weight=BFloat16, from_variance=True, residual_grad=True,
                        dx_from_x=True)
 
@@ -553,7 +558,8 @@ _form_entries: dict = {}
 
 
 def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, residual_grad, out, grad_weight):
-    """056's norm backward with its residual branch, one pass over the rows (DECODER_FORM):
+    """The decoder layer's norm backward with its residual branch, one pass over the rows
+    (DECODER_FORM):
 
         out = bf16(residual_grad + rms_dx(grad * weight, x, rsqrt(variance + eps)))
         grad_weight = sum over rows of grad * normalized

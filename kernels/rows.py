@@ -1,4 +1,5 @@
-"""Row-at-a-time building blocks shared by the RMSNorm-backward kernels (013, 087).
+"""Row-at-a-time building blocks shared by the RMSNorm-backward kernels (the fused residual
+RMSNorm backward, the embedding backward).
 
 A CTA owns one row at a time; thread `tidx` owns column vectors tidx, tidx + threads, ...
 (VECTOR elements each: 16-byte fp32 / 8-byte bf16 accesses), held in registers as fp32

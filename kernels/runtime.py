@@ -140,7 +140,7 @@ class PerStream:
 
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         # CUDA never captures the legacy default stream (raw handle 0), so an eager call there
-        # skips the capture query (~0.3-0.5 us of a ~1.3 us lookup; runtime-notes, session 24).
+        # skips the capture query (~0.3-0.5 us of a ~1.3 us lookup; docs/design-host.md).
         if stream and torch.cuda.is_current_stream_capturing():
             return self._for_capture(stream, *need)
         buffer = self._buffers.get(stream)
@@ -150,8 +150,8 @@ class PerStream:
 
     def _for_capture(self, stream, *need):
         """The set of `stream`'s capture sequence. A fresh set in every captured call put a fill
-        kernel (the zeroed counters) in each: 051's graph replay took 10.49 against 9.15 us a
-        call at 2 x 128 (H200, session 31). Only the latest (stream, capture sequence)'s set is
+        kernel (the zeroed counters) in each: the QKV backward's graph replay took 10.49 against
+        9.15 us a call at 2 x 128 (H200). Only the latest (stream, capture sequence)'s set is
         held, so calls alternating between two streams of one capture each make a new one (as
         before); a dropped set goes back to its graph's pool, which the graph keeps until it is
         destroyed."""
@@ -189,8 +189,8 @@ class StreamWorkspace(PerStream):
 
 def zero_fill(tensor):
     """Zeroes a contiguous CUDA tensor by cudaMemsetAsync on torch's current stream and returns
-    it. On the H200 it writes 087's 512 MB table at 4.5 TB/s; torch's fill kernel (torch.zeros,
-    zero_) reaches 3.4 (tools/reports/087-notes.md, session 12)."""
+    it. On the H200 it writes the embedding backward's 512 MB table at 4.5 TB/s; torch's fill
+    kernel (torch.zeros, zero_) reaches 3.4 (docs/design-embedding.md)."""
     import torch
     from cuda.bindings import runtime as cudart
 

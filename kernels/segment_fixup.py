@@ -1,6 +1,7 @@
-"""087's work split and the fix-up of the segments it cuts: the sorted positions go to `ctas`
-contiguous ranges, one per row-kernel CTA; a segment (one id's tokens) that crosses a range
-boundary leaves fp32 partial rows, which `SegmentFixup` adds in range order into the table.
+"""The embedding backward's work split and the fix-up of the segments it cuts: the sorted
+positions go to `ctas` contiguous ranges, one per row-kernel CTA; a segment (one id's tokens)
+that crosses a range boundary leaves fp32 partial rows, which `SegmentFixup` adds in range order
+into the table.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The ops as PyTorch custom operators (`torch.ops.cutebwd.*`), so `torch.compile` traces
 through them without graph breaks, and `ResidualRMSNorm`, an autograd module whose backward
-is 013's kernel.
+is the fused residual RMSNorm backward.
 
 Importing this module registers the operators. Their fake implementations give output shapes
 and dtypes only, so tracing needs neither a GPU nor the DSL; the real ones call the ops of
@@ -22,8 +22,8 @@ def fused_residual_rmsnorm_backward(grad_output: torch.Tensor, x: Optional[torch
                                     normalized: Optional[torch.Tensor],
                                     rstd: torch.Tensor, weight: torch.Tensor
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """L1/013 -> (grad_hidden_states, grad_residual, grad_weight); see the op in
-    kernels/rmsnorm_backward.py."""
+    """The fused residual RMSNorm backward -> (grad_hidden_states, grad_residual, grad_weight);
+    see the op in kernels/rmsnorm_backward.py."""
     from .rmsnorm_backward import fused_residual_rmsnorm_backward as op
 
     return op(grad_output, x, normalized, rstd, weight)
@@ -39,7 +39,8 @@ def _(grad_output, x, normalized, rstd, weight):
 def embedding_rmsnorm_backward(grad_output: torch.Tensor, input_ids: torch.Tensor, hidden_states: torch.Tensor,
                                rstd: torch.Tensor, norm_weight: torch.Tensor, vocab_size: int = 65536
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """L1/087, a fresh table -> (grad_embed_weight, grad_norm_weight); see kernels/embedding_backward.py."""
+    """The embedding + RMSNorm backward, a fresh table -> (grad_embed_weight, grad_norm_weight);
+    see kernels/embedding_backward.py."""
     from .embedding_backward import embedding_rmsnorm_backward as op
 
     return op(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size=vocab_size)
@@ -56,8 +57,9 @@ def _(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size=65536
 def embedding_rmsnorm_backward_accumulate(grad_output: torch.Tensor, input_ids: torch.Tensor,
                                           hidden_states: torch.Tensor, rstd: torch.Tensor, norm_weight: torch.Tensor,
                                           grad_embed_weight: torch.Tensor, grad_norm_weight: torch.Tensor) -> None:
-    """L1/087 adding this step's rows into grad_embed_weight (gradient accumulation);
-    grad_norm_weight is overwritten with this step's. The vocabulary is the table's row count."""
+    """The embedding + RMSNorm backward adding this step's rows into grad_embed_weight (gradient
+    accumulation); grad_norm_weight is overwritten with this step's. The vocabulary is the
+    table's row count."""
     from .embedding_backward import embedding_rmsnorm_backward as op
 
     op(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size=grad_embed_weight.shape[0],
@@ -77,7 +79,8 @@ def qkv_qknorm_backward(grad_query: torch.Tensor, grad_key: torch.Tensor, grad_v
                         q_rstd: torch.Tensor,
                         k_rstd: torch.Tensor, q_normed: torch.Tensor, k_normed: torch.Tensor, rms_norm_eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """L1/051 -> its six gradients; see kernels/qkv_qknorm_backward.py."""
+    """The QKV projection with Q/K RMSNorm backward -> its six gradients; see
+    kernels/qkv_qknorm_backward.py."""
     from .qkv_qknorm_backward import qkv_qknorm_backward as op
 
     return op(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
@@ -116,8 +119,9 @@ class _ResidualRMSNormFunction(torch.autograd.Function):
 
 class ResidualRMSNorm(torch.nn.Module):
     """y = bf16(weight * x * rsqrt(mean(x^2) + eps)) with x = hidden_states + residual in fp32
-    (013's forward, in PyTorch); the backward is 013's kernel, giving hidden_states and residual
-    the same gradient. bf16 hidden_states and residual of shape [b, s, H], an fp32 weight [H]."""
+    (the fused residual RMSNorm forward, in PyTorch); the backward is the fused residual RMSNorm
+    backward's kernel, giving hidden_states and residual the same gradient. bf16 hidden_states
+    and residual of shape [b, s, H], an fp32 weight [H]."""
 
     def __init__(self, hidden: int, eps: float = 1e-6, device=None):
         super().__init__()
@@ -147,7 +151,7 @@ def decoder_layer_backward(
         hidden_states_normalized1: torch.Tensor, hidden_states_normalized2: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
-    """L2/056 -> its ten gradients; see kernels/decoder_layer_backward.py."""
+    """The decoder layer backward -> its ten gradients; see kernels/decoder_layer_backward.py."""
     from .decoder_layer_backward import decoder_layer_backward as op
 
     return op(grad_output, residual, attn_input, query_states, key_states, value_states, query_states_rotated,

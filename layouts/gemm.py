@@ -180,7 +180,7 @@ def tile_coord(tile, tiles_m, tiles_n, group_m: int, minimum=min):
 
 
 # Stream-K does not pay on short K, where a partial tile's hand-over costs a few k-tiles of MMAs:
-# measured on the H200 (gemm-notes step 18), it cost 3-12% at 8 and 20 k-tiles and paid from 32.
+# measured on the H200, it cost 3-12% at 8 and 20 k-tiles and paid from 32 (docs/design-gemm.md).
 MIN_K_TILES = 32
 # Split-K for a single product of few tiles (default_tiling's group_n rule): at most half the
 # SMs' worth of tiles, so each tile's K is cut at least in two, and K of at least MIN_K_TILES
@@ -191,10 +191,10 @@ SPLIT_MIN_K = MIN_K_TILES * GemmTiling.tile_k
 SHORT_ROPE_K = 1024
 # default_tiling, sm_90a: a product this short in K (weight gradients of a short batch: K = T)
 # is its epilogue, so 128-column store pieces (a quarter of the stores and barriers a tile).
-# Session 23, graph replay turn by turn, us, 32 / 64 / 128 columns (pingpong 128 x 128 in 2 x 1
+# H200, graph replay turn by turn, us, 32 / 64 / 128 columns (pingpong 128 x 128 in 2 x 1
 # clusters), C [5120, 5120] from M-major operands: K = 128 21.7 / 19.7 / 19.2, K = 256 30.2 /
-# 28.4 / 27.1, K = 512 46.5 / 47.2 / 49.2, K = 1024 87.4 / 87.4 / 91.5; 056's grouped q/k/v
-# weight gradients at T = 128 34.0 / 28.2 / 27.1, at T = 512 68.3 / 65.8 / 70.8.
+# 28.4 / 27.1, K = 512 46.5 / 47.2 / 49.2, K = 1024 87.4 / 87.4 / 91.5; the decoder layer's
+# grouped q/k/v weight gradients at T = 128 34.0 / 28.2 / 27.1, at T = 512 68.3 / 65.8 / 70.8.
 WIDE_EPILOGUE_MAX_K = 256
 WIDE_EPILOGUE_N = 128
 
@@ -202,7 +202,7 @@ WIDE_EPILOGUE_N = 128
 def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: int | None = None, batches: int = 1,
                    summed: int = 1, side_tensors: bool = False) -> GemmTiling:
     """The tiling for a product until the tuner's table exists: rules read off two sweeps of
-    the decoder-layer products on the H200 (tools/reports/gemm-notes.md), each within ~10% of
+    the decoder-layer products on the H200 (docs/design-gemm.md), each within ~10% of
     that product's best of the tilings tried.
     - M <= 128 (input gradients of a short batch, memory-bound on the weight): 128 x 128 from
       N >= 8192; else, for M > 64, 64 x 128 tiles in 2 x 1 clusters (both 64-row halves, one
@@ -221,33 +221,34 @@ def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: in
       many of them (>= 800, or >= 300 with K > 2048 to amortize each tile's fill and
       epilogue), else 128 x 128 (finer tiles, a shorter ragged wave).
     `fused`: how many [M, N] inputs the epilogue reads (0: none). From M > 128 on sm_90a,
-    pingpong 128 x 128 in 2 x 1 clusters, whose epilogues run under the other warpgroup's MMAs: for 056's g_sw
-    product (T = 2048, 8192) 1.09 / 1.08x the plain product against 1.12 / 1.18x with the
-    cooperative 128 x 256 tiles, and faster in absolute time for 'add' too (epilogue-notes.md);
-    with K <= SHORT_K and one input (softmax_bwd's P; 'add' too, its C read as the input, not
-    timed that way), eight slots of input pieces instead of two.
+    pingpong 128 x 128 in 2 x 1 clusters, whose epilogues run under the other warpgroup's MMAs:
+    for the decoder layer's g_sw product (T = 2048, 8192) 1.09 / 1.08x the plain product against
+    1.12 / 1.18x with the cooperative 128 x 256 tiles, and faster in absolute time for 'add' too
+    (docs/design-gemm.md); with K <= SHORT_K and one input (softmax_bwd's P; 'add' too, its C
+    read as the input, not timed that way), eight slots of input pieces instead of two.
     `group_n`: tiles exactly that many columns wide (`row_dot` sums rows per tile,
-    `rope_inverse` rotates one head a tile): 128-row tiles, pingpong on sm_90a where its accumulators fit (<= 128 columns),
-    2 x 1 clusters from M > 128. A single product of at most half the SMs' worth of such tiles with
-    K >= SPLIT_MIN_K deals its k-iterations out over every SM (split_k): 056's g_ao (row_dot,
-    N = K = 5120, 160-column tiles) at 128 / 256 tokens, 32 / 64 tiles, took 37.6 / 38.4 us
-    one CTA a tile and 29.0 / 32.5 split (cuBLAS's plain product 20.3 / 26.0); at 422 and 613
-    tokens (128 and 160 tiles) the split lost (50.6 / 74.5 against 47.2 / 58.2; session 19).
-    `batches` > 1 (a batched product, 056's attention: hundreds of [s, d] products per call,
-    so the batch fills the SMs, not the tile size) and N at most 256: one tile spans N, 128 rows,
-    cooperative, 2 x 1 clusters from M > 128. P . v and P^T . g_ao at 449 x 16 (N = d = 160):
-    0.136 / 0.132 ms against 0.272 / 0.271 for the single-product rule's 64 x 128 tiles
-    (256 x 32: 0.102 / 0.115 against 0.149 / 0.155; session 17 sweep). A batch of `group_n`
-    products (056's per-head dq, inverse RoPE) with K <= SHORT_ROPE_K on sm_90a: 64-row pingpong
-    tiles in 2 x 1 clusters, one warpgroup's table loads and rotation under the other's MMAs;
-    for a batch sum (gemm_batched's group_sum) K is the sum's (session 21 sweep, us, default /
-    64-row pingpong: dq 449 x 16 144.7 / 134.3, 373 x 8 54.9 / 47.0, 1024 x 2 62.4 / 57.8,
-    256 x 32 108.9 / 94.1, 211 x 2 8.3 / 8.5; dk summed over four heads, K = 4 s, 449 x 16
-    104.6 / 132.2, 1024 x 2 46.6 / 70.1, 256 x 32 72.7 / 73.9, 211 x 2 13.3 / 11.1). A batch of
-    sums (`summed` > 1 products each) whose 128-row tiles would fill at most half the SMs:
-    64-row pingpong tiles, twice the CTAs on the long summed K (session 21, us, dv / dk at
-    613 x 1, 40 tiles: 25.7 / 27.2 -> 20.3 / 21.6; 512 x 2, 64 tiles: 18.5 / 20.3 -> 17.0 / 18.5;
-    at 691 x 2, 96 tiles, 128 rows stay ahead: 28.0 / 29.6 against 40.9 / 42.1).
+    `rope_inverse` rotates one head a tile): 128-row tiles, pingpong on sm_90a where its
+    accumulators fit (<= 128 columns), 2 x 1 clusters from M > 128. A single product of at most
+    half the SMs' worth of such tiles with K >= SPLIT_MIN_K deals its k-iterations out over every
+    SM (split_k): the decoder layer's g_ao (row_dot, N = K = 5120, 160-column tiles) at 128 / 256
+    tokens, 32 / 64 tiles, took 37.6 / 38.4 us one CTA a tile and 29.0 / 32.5 split (cuBLAS's
+    plain product 20.3 / 26.0); at 422 and 613 tokens (128 and 160 tiles) the split lost (50.6 /
+    74.5 against 47.2 / 58.2).
+    `batches` > 1 (a batched product, the decoder layer's attention: hundreds of [s, d] products
+    per call, so the batch fills the SMs, not the tile size) and N at most 256: one tile spans N,
+    128 rows, cooperative, 2 x 1 clusters from M > 128. P . v and P^T . g_ao at 449 x 16 (N = d =
+    160): 0.136 / 0.132 ms against 0.272 / 0.271 for the single-product rule's 64 x 128 tiles
+    (256 x 32: 0.102 / 0.115 against 0.149 / 0.155). A batch of `group_n` products (the decoder
+    layer's per-head dq, inverse RoPE) with K <= SHORT_ROPE_K on sm_90a: 64-row pingpong tiles in
+    2 x 1 clusters, one warpgroup's table loads and rotation under the other's MMAs; for a batch
+    sum (gemm_batched's group_sum) K is the sum's (H200, us, default / 64-row pingpong: dq
+    449 x 16 144.7 / 134.3, 373 x 8 54.9 / 47.0, 1024 x 2 62.4 / 57.8, 256 x 32 108.9 / 94.1,
+    211 x 2 8.3 / 8.5; dk summed over four heads, K = 4 s, 449 x 16 104.6 / 132.2, 1024 x 2
+    46.6 / 70.1, 256 x 32 72.7 / 73.9, 211 x 2 13.3 / 11.1). A batch of sums (`summed` > 1
+    products each) whose 128-row tiles would fill at most half the SMs: 64-row pingpong tiles,
+    twice the CTAs on the long summed K (H200, us, dv / dk at 613 x 1, 40 tiles: 25.7 / 27.2 ->
+    20.3 / 21.6; 512 x 2, 64 tiles: 18.5 / 20.3 -> 17.0 / 18.5; at 691 x 2, 96 tiles, 128 rows
+    stay ahead: 28.0 / 29.6 against 40.9 / 42.1).
     `side_tensors`: the epilogue moves per-row values or tables by plain loads (softmax_bwd,
     row_dot, rope_inverse); on Blackwell those take one accumulator row a thread, so 128-row
     tiles (gemm_sm100), 2 x 1 clusters (2-CTA MMAs) from M > 128.
@@ -272,12 +273,12 @@ def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: in
     if m <= 64:
         return GemmTiling(tile_m=128, tile_n=64)
     if fused and arch == "sm_90a":
-        # Short K (056's softmax_bwd, K = head_dim: three k-tiles): the epilogue is the work, so
-        # eight slots of input pieces (the whole tile) load ahead instead of two, taking shared
-        # memory the short main loop does not need. One input only (softmax_bwd, and 'add', whose
-        # short-K speed was not timed): dSwiGLU's three inputs in eight slots would leave the
-        # main loop one stage. g_s at 449 x 16: 0.204 ms against
-        # 0.279 (256 x 32: 0.141 against 0.179; session 17 sweep).
+        # Short K (the decoder layer's softmax_bwd, K = head_dim: three k-tiles): the epilogue is
+        # the work, so eight slots of input pieces (the whole tile) load ahead instead of two,
+        # taking shared memory the short main loop does not need. One input only (softmax_bwd, and
+        # 'add', whose short-K speed was not timed): dSwiGLU's three inputs in eight slots would
+        # leave the main loop one stage. g_s at 449 x 16: 0.204 ms against 0.279 (256 x 32: 0.141
+        # against 0.179).
         return GemmTiling(tile_m=128, tile_n=128, cluster_m=2, pingpong=True,
                           epilogue_input_stages=SHORT_K_INPUT_STAGES if k <= SHORT_K and fused == 1 else 2)
     if gpu.sms - gpu.sms // 6 <= -(-m // 256) * -(-n // 160) <= gpu.sms and arch == "sm_90a":
@@ -303,7 +304,7 @@ def even_clusters(tiling: GemmTiling, m: int, n: int, arch: str = "sm_90a") -> G
     cluster rows, 1/6 of the CTAs idle). Such a cluster turns to 1 x 2 (the pair shares the A
     tile instead of B's) where N's tile count is even, else goes. sm_90a only: sm_100a's 2 x 1
     pairs run one 2-CTA MMA, a different trade, and no Blackwell GPU is here to time it.
-    Session 18 sweep on the H200, ms (2 x 1 / 1 x 2 / none; cuBLAS):
+    Swept on the H200, ms (2 x 1 / 1 x 2 / none; cuBLAS):
     - 613 tokens, go . Wd (N = 14336, K = 5120), 128 x 256: 0.168 / 0.146 / 0.148 (0.143);
       128 x 128 pingpong: 0.225 / 0.152 / 0.180;
     - 1382 tokens, the same, 128 x 128 pingpong: 0.403 / 0.302 / 0.357 (0.274);

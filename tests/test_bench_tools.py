@@ -247,7 +247,7 @@ def test_host_cost_builds_compile_without_a_gpu():
 
 
 def test_056_cublas_baseline_is_the_layers_fourteen_products():
-    """The yardstick of issue 10: dX and dW of each of the seven linear layers, with the shapes
+    """The decoder layer's yardstick: dX and dW of each of the seven linear layers, with the shapes
     of the layer's products (CPU, tiny dimensions)."""
     from cutebwd.references import PROBLEMS
     from cutebwd.tools.bench import _cublas_products_056

@@ -414,7 +414,8 @@ def test_sm100_tiling_checks():
 
 
 def _bar_tilings(gpu):
-    """Every (tiling, A K-major?, B K-major?) the default rules pick on `gpu` for the issue-5 products."""
+    """Every (tiling, A K-major?, B K-major?) the default rules pick on `gpu` for the benchmarked
+    products (tools/bench_gemm)."""
     from cutebwd.tools.bench_gemm import TOKENS, WIDTHS
 
     picked = set()

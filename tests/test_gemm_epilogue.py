@@ -1,4 +1,4 @@
-"""Fused GEMM epilogues (kernels/epilogue.py, issue 7): argument errors on any machine; on the
+"""Fused GEMM epilogues (kernels/epilogue.py): argument errors on any machine; on the
 GPU, every epilogue against fp32 PyTorch (autograd for dSwiGLU) on sizes that are not tile
 multiples, with outputs poisoned before the call."""
 import pytest

@@ -1,4 +1,4 @@
-"""Grouped products and sums of products (kernels/gemm_grouped.py, issue 7): argument errors on
+"""Grouped products and sums of products (kernels/gemm_grouped.py): argument errors on
 any machine; on the GPU, every result against fp32 PyTorch on sizes that are not tile
 multiples, with results poisoned before the call."""
 import pytest

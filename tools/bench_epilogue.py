@@ -1,7 +1,8 @@
-"""Issue 7's dSwiGLU bar, in one run on the same random data: 056's down-projection input
-gradient g_sw = go . Wd ([T, H] . [H, I], H = 5120, I = 14336) with g_gate and g_up made in
-its epilogue, against the plain product (ours and cuBLAS) and against the peer, cuBLAS for g_sw
-plus PyTorch's dSwiGLU. Every variant is checked against fp32 autograd before it is timed.
+"""The fused dSwiGLU epilogue against the plain product, in one run on the same random data:
+the decoder layer's down-projection input gradient g_sw = go . Wd ([T, H] . [H, I], H = 5120,
+I = 14336) with g_gate and g_up made in its epilogue, against the plain product (ours and
+cuBLAS) and against the peer, cuBLAS for g_sw plus PyTorch's dSwiGLU. Every variant is checked
+against fp32 autograd before it is timed.
 
     python -m cutebwd.tools.bench_epilogue [--tokens 2048,8192] [--json bench-epilogue.json]
 
@@ -25,8 +26,8 @@ MAX_RELATIVE_ERROR = 1e-2
 
 
 def dswiglu_torch(g_sw, gate, up, silu_up):
-    """The peer's epilogue: PyTorch ops on the bf16 product (silu on `up`, as 056 has it;
-    silu_up read as given, like ours)."""
+    """The peer's epilogue: PyTorch ops on the bf16 product (silu on `up`, as the decoder layer
+    has it; silu_up read as given, like ours)."""
     g, gate32, up32 = g_sw.float(), gate.float(), up.float()
     sig = torch.sigmoid(up32)
     return (g * silu_up.float()).bfloat16(), (g * gate32 * sig * (1 + up32 * (1 - sig))).bfloat16()

@@ -1,6 +1,6 @@
 """The GEMM core against cuBLAS (torch.matmul) on the products of a linear layer's backward,
 in one run on the same random bf16 data: dX = dY . W and dW = dY^T . X for the decoder
-layer's widths (056) and 051's, T in {128, 512, 2048, 8192}, and 8192^3. Each of ours is
+layer's widths and the QKV backward's, T in {128, 512, 2048, 8192}, and 8192^3. Each of ours is
 checked against an fp32 matmul before it is timed. Times: the Python call (CUDA events around
 back-to-back calls, what users pay) and a CUDA-graph replay (the GPU alone), each the best of
 3 rounds in which ours and cuBLAS take turns.
@@ -26,8 +26,9 @@ import torch
 from cutebwd.tools import clocks, timing
 from cutebwd.tools.parity import relative_error
 
-# (out_features, in_features) of the weights: 056's q/o (5120 x 5120), k/v (1280 x 5120),
-# gate/up (14336 x 5120) and down (5120 x 14336) projections, and 051's 1536 x 640.
+# (out_features, in_features) of the weights: the decoder layer's q/o (5120 x 5120), k/v
+# (1280 x 5120), gate/up (14336 x 5120) and down (5120 x 14336) projections, and the QKV
+# backward's 1536 x 640.
 WIDTHS = [(5120, 5120), (1280, 5120), (14336, 5120), (5120, 14336), (1536, 640)]
 TOKENS = [128, 512, 2048, 8192]
 MAX_RELATIVE_ERROR = 1e-2  # Frobenius norm, bf16 output against the fp32 product

@@ -1,11 +1,11 @@
-"""Issue 7's grouped bar, in one run on the same random data: 056's q/k/v weight gradients
-dW_i = dY_i^T . X (q 5120, k and v 1280 rows, in 5120, K = T) as one grouped launch
-(kernels.gemm_grouped) against the same three products launched one by one, ours and cuBLAS,
-with the floor (operands read once, results written once, at the measured copy bandwidth; or
-the MMAs at the measured cuBLAS rate, whichever is longer); and their input gradient
-dX = dQ . Wq + dK . Wk + dV . Wv as one summed launch against three launches adding into one
-result (ours with the 'add' epilogue, cuBLAS with addmm). Every variant is checked against
-fp32 before it is timed.
+"""The grouped products against separate launches, in one run on the same random data: the
+decoder layer's q/k/v weight gradients dW_i = dY_i^T . X (q 5120, k and v 1280 rows, in 5120,
+K = T) as one grouped launch (kernels.gemm_grouped) against the same three products launched
+one by one, ours and cuBLAS, with the floor (operands read once, results written once, at the
+measured copy bandwidth; or the MMAs at the measured cuBLAS rate, whichever is longer); and
+their input gradient dX = dQ . Wq + dK . Wk + dV . Wv as one summed launch against three
+launches adding into one result (ours with the 'add' epilogue, cuBLAS with addmm). Every
+variant is checked against fp32 before it is timed.
 
     python -m cutebwd.tools.bench_grouped [--tokens 128,512,2048,8192] [--json bench-grouped.json]
 

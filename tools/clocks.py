@@ -1,11 +1,11 @@
 """The GPU's SM clock, board power and throttle reasons while timed work runs, read through
 NVML (the driver's libnvidia-ml, by ctypes: no extra dependency).
 
-Why the timings carry them: the H200 runs compute-bound work into its 700 W software power
-cap (SM clock 1050-1980 MHz seen), so one kernel's time depends on what ran before it and on
-how much power the work itself draws (056-plan.md, session 22: in the bench's loops the layer
-ran at 1425-1500 MHz where cuBLAS's products ran at 1470-1815). A figure with its clock says
-which state it was measured in.
+Why the timings carry them: the H200 runs compute-bound work into its 700 W software power cap
+(SM clock 1050-1980 MHz seen), so one kernel's time depends on what ran before it and on how
+much power the work itself draws (in the bench's loops the decoder layer ran at 1425-1500 MHz
+where cuBLAS's products ran at 1470-1815; docs/design-decoder-layer.md). A figure with its
+clock says which state it was measured in.
 
     sample = clocks.sampled()
     with sample:

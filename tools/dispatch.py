@@ -7,8 +7,9 @@ its kernel's declarations and the arch's limits:
     python -m cutebwd.tools.audit --dispatch
 
 The norm ops build one kernel per hidden size, dtype and path whatever the token count; where
-their modules pick it from the device (013's one-launch clusters, 087's index pass), the
-choices are listed here as the modules make them.
+their modules pick it from the device (the fused residual RMSNorm backward's one-launch
+clusters, the embedding backward's index pass), the choices are listed here as the modules make
+them.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ QKV_ODD = [(1, 1, None), (3, 37, {"head_dim": 128, "q_heads": 2, "hidden": 648})
            (2, 100, {"head_dim": 64, "q_heads": 8, "hidden": 256}),
            (1, 300, {"head_dim": 512, "q_heads": 1, "hidden": 1024}),
            (1, 2048, {"head_dim": 1024, "q_heads": 2, "hidden": 1280}), (1, 3072, None), (1, 6144, None)]
-FUSED_RESIDUAL_HIDDEN = (fused_residual_rmsnorm.DIMS["hidden"], 1000)  # 013 builds per hidden size alone
+FUSED_RESIDUAL_HIDDEN = (fused_residual_rmsnorm.DIMS["hidden"], 1000)  # the op builds per hidden size alone
 EMBEDDING_ODD = [(1, 1, None), (3, 211, {"vocab": 1000, "hidden": 1000})]
 # rms_rstd at the hidden sizes and dtypes of the four problems' normalized rows
 RSTD_ROWS = ((Float32, 2560), (Float32, 4096), (BFloat16, 5120), (BFloat16, 256))
@@ -65,8 +66,9 @@ def _gemm(gpu: Gpu, call) -> Build:
 
 
 def decoder_layer_builds(gpu: Gpu, batch: int, seq: int, dims=None):
-    """056: its products (gemm_calls), the two norms' row kernel and, at a sequence that is not a
-    multiple of 8, the scores' padded copy (decoder_layer_backward._backward)."""
+    """The decoder layer: its products (gemm_calls), the two norms' row kernel and, at a
+    sequence that is not a multiple of 8, the scores' padded copy
+    (decoder_layer_backward._backward)."""
     hidden = model_dims(decoder_layer.DIMS, dims)["hidden"]
     yield from (_gemm(gpu, call) for call in decoder_layer_backward.gemm_calls(batch, seq, dims))
     yield Build(f"fused_residual_rmsnorm_backward[H={hidden},056 form]", rmsnorm_backward._build, (hidden, True),
@@ -76,7 +78,7 @@ def decoder_layer_builds(gpu: Gpu, batch: int, seq: int, dims=None):
 
 
 def qkv_qknorm_builds(gpu: Gpu, batch: int, seq: int, dims=None):
-    """051: one build a (model dims, tilings, paired) (qkv_qknorm_backward._Plan)."""
+    """The QKV backward: one build a (model dims, tilings, paired) (qkv_qknorm_backward._Plan)."""
     d, heads, hidden = (model_dims(qkv_qknorm.DIMS, dims)[k] for k in ("head_dim", "q_heads", "hidden"))
     summed, grouped, idle = qkv_qknorm_backward.pairing(batch * seq, hidden, (heads * d, d, d), gpu)
     yield Build(f"qkv_qknorm_backward[d={d},{heads} heads,H={hidden},summed {summed.spec},grouped {grouped.spec}"
@@ -86,9 +88,9 @@ def qkv_qknorm_builds(gpu: Gpu, batch: int, seq: int, dims=None):
 
 
 def fused_residual_rmsnorm_builds(hidden: int):
-    """013: the grid build, and the one-launch build of one or two 16-CTA clusters (as many as
-    the device holds at once, up to two: rmsnorm_backward._Entry), normalized given (the
-    benchmark's calls) or computed from x."""
+    """The fused residual RMSNorm backward: the grid build, and the one-launch build of one or
+    two 16-CTA clusters (as many as the device holds at once, up to two:
+    rmsnorm_backward._Entry), normalized given (the benchmark's calls) or computed from x."""
     for normalized in (True, False):
         what = "normalized" if normalized else "normalized=None"
         yield Build(f"fused_residual_rmsnorm_backward[H={hidden},{what}]", rmsnorm_backward._build,
@@ -100,9 +102,10 @@ def fused_residual_rmsnorm_builds(hidden: int):
 
 
 def embedding_rmsnorm_builds(batch: int, seq: int, dims=None):
-    """087 as the benchmark calls it (int64 ids, bf16 norm_weight, a fresh table): ids sorted on
-    chip up to SORT_ON_CHIP_MAX_TOKENS tokens, else the radix sort and the row kernel that
-    zeroes the untouched rows (embedding_backward.embedding_rmsnorm_backward's paths)."""
+    """The embedding backward as the benchmark calls it (int64 ids, bf16 norm_weight, a fresh
+    table): ids sorted on chip up to SORT_ON_CHIP_MAX_TOKENS tokens, else the radix sort and the
+    row kernel that zeroes the untouched rows (embedding_backward.embedding_rmsnorm_backward's
+    paths)."""
     dims = model_dims(embedding_rmsnorm.DIMS, dims)
     hidden, vocab, tokens = dims["hidden"], dims["vocab"], batch * seq
     expects = embedding_backward.AUDIT_EXPECTS

@@ -1,13 +1,13 @@
-"""What a call costs the host, in pieces (issue 8): a TVM-FFI call of a compiled host function
+"""What a call costs the host, in pieces: a TVM-FFI call of a compiled host function
 that makes 1, 2 or 4 launches of a trivial kernel (with and without programmatic dependent
 launch), the torch allocation calls an op makes for its outputs, and PyTorch's own
 `Tensor.copy_` beside them, all in one process with `timing.host_us` (tight loop, no sync).
 
     python -m cutebwd.tools.host_cost [--json host-cost.json]
 
-Read with an op's own host time (tools.bench's "host us"): session 14 on the H200 found ~4.3 us
-a launch and the call itself well under 1 us, so an op's launches, not its FFI call, set its
-floor (tools/reports/051-plan.md).
+Read with an op's own host time (tools.bench's "host us"): on the H200 it measured ~4.3 us a
+launch and the call itself well under 1 us, so an op's launches, not its FFI call, set its
+floor (docs/design-host.md).
 """
 from __future__ import annotations
 

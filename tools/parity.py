@@ -127,7 +127,7 @@ def preallocated(refs, fill: str) -> tuple:
 def assert_problem(problem, inputs, outputs, batch: int, seq: int, *, dims=None, context: str = "",
                    **reference_options) -> list[OutputReport]:
     """Outputs a kernel made from `inputs` (e.g. captured in a graph or on another stream) held to
-    the bar; reference_options go to the reference (087's accumulate_into)."""
+    the bar; reference_options go to the reference (the embedding backward's accumulate_into)."""
     expected = problem.run_reference(inputs, dims=dims, **reference_options)
     exact = problem.run_exact(inputs, dims=dims, **reference_options)
     return assert_parity(problem.output_names, outputs, expected, problem.atol(seq, batch), exact,
@@ -162,7 +162,8 @@ def check_problem(problem, kernel, batch: int, seq: int, *, seed: int = 0, dims=
 
 
 def op_for(problem, dims=None):
-    """The cutebwd op named like the problem, as check_problem calls it (087 gets its vocabulary)."""
+    """The cutebwd op named like the problem, as check_problem calls it (the embedding backward
+    gets its vocabulary)."""
     import cutebwd
 
     op = getattr(cutebwd, problem.name)

@@ -104,7 +104,8 @@ def _summed_case(m, n, ks, **options):
 
 
 def _batched_case(b, heads, s, d, **options):
-    """056's attention scores and softmax backward per (batch, head), through the heads' strides."""
+    """The decoder layer's attention scores and softmax backward per (batch, head), through the
+    heads' strides."""
     def run():
         from cutebwd.kernels.gemm_batched import matmul_nt_batched
         from cutebwd.tools.parity import assert_parity
@@ -121,7 +122,8 @@ def _batched_case(b, heads, s, d, **options):
 
 
 def _problem_case(problem, batch, seq, *, without_normalized=False, **options):
-    """check_problem of the op named like the problem; `without_normalized`: 013 with None."""
+    """check_problem of the op named like the problem; `without_normalized`: the fused residual
+    RMSNorm backward with normalized=None."""
     def run():
         import cutebwd
         from cutebwd.references import PROBLEMS
@@ -136,7 +138,8 @@ def _problem_case(problem, batch, seq, *, without_normalized=False, **options):
 
 
 def _accumulate_case(batch, seq, vocab, hidden):
-    """087 adding into an existing table (the ring prefetches the table rows segments end in)."""
+    """The embedding backward adding into an existing table (the ring prefetches the table rows
+    segments end in)."""
     def run():
         from cutebwd import embedding_rmsnorm_backward
         from cutebwd.references import PROBLEMS
@@ -154,8 +157,9 @@ def _accumulate_case(batch, seq, vocab, hidden):
 
 
 # Small enough to finish under racecheck in seconds, large enough to take every code path:
-# ragged tiles, clusters, pingpong, stream-K hand-over, 256-row tiles, fp32 C, fused epilogues; 013 with and
-# without `normalized` (None: a second case); 087 with duplicated ids and int32 ids.
+# ragged tiles, clusters, pingpong, stream-K hand-over, 256-row tiles, fp32 C, fused epilogues; the
+# fused residual RMSNorm backward with and without `normalized` (None: a second case); the
+# embedding backward with duplicated ids and int32 ids.
 CASES = {
     "gemm default": _gemm_case(1000, 776, 1000),
     "gemm M <= 128: 64x128, cluster 2x1": _gemm_case(100, 776, 1000),  # default_tiling's short-M rule

@@ -7,14 +7,15 @@ replay; the fastest goes to layouts/tuned/<arch>.json, which matmul_nt's dispatc
                                  [--candidates 128x256c2x1,...] [--resume] [--out PATH] [--seconds 0.3]
 
 Products: a linear layer's backward (dX = dY . W, dW = dY^T . X) at the decoder layer's and
-051's widths (tools/bench_gemm.products). A bucket holds the products whose M and K round up
-to the same powers of two (layouts.gemm.shape_bucket). The table is written after every
-product, so an interrupted run continues with --resume. `--tokens workloads` takes the token
-counts of the GEMM problems' benchmark workloads (051, 056; references.workloads). Progress on
-stderr.
+the QKV backward's widths (tools/bench_gemm.products). A bucket holds the products whose M and
+K round up to the same powers of two (layouts.gemm.shape_bucket). The table is written after
+every product, so an interrupted run continues with --resume. `--tokens workloads` takes the
+token counts of the GEMM problems' benchmark workloads (the QKV and decoder layer backwards;
+references.workloads). Progress on stderr.
 
-The norm kernels (013, 087) have no tunable here: their launch shapes are compile-time
-constants chosen by the sweeps in tools/reports/013-notes.md and 087-notes.md.
+The norm kernels (the fused residual RMSNorm and embedding backwards) have no tunable here:
+their launch shapes are compile-time constants chosen by the sweeps in docs/design-rmsnorm.md
+and docs/design-embedding.md.
 """
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ from pathlib import Path
 from cutebwd.tools.bench_gemm import MAX_RELATIVE_ERROR, operands, products
 from cutebwd.tools.parity import relative_error
 
-# The tilings of the sweeps behind the default rules (tools/reports/gemm-notes.md), for sm_90a,
+# The tilings of the sweeps behind the default rules (docs/design-gemm.md), for sm_90a,
 # and split-K variants of the small tiles (`s`: the k-iterations of few tiles dealt over every
 # SM; a host-side schedule, so no extra build); a candidate an arch cannot run is skipped for
 # it; `w128`: 128-column epilogue store pieces (short-K products). The table of record
-# (session 13) predates the split-K and w128 candidates.
+# (layouts/tuned/) predates the split-K and w128 candidates.
 CANDIDATES = ("128x256c2x1", "128x256", "128x128c2x1", "128x128", "128x128c2x1p", "128x64", "64x128",
               "64x128c2x1", "128x160c2x1", "256x160", "128x128s", "128x64s", "64x128s", "64x128c2x1s",
               "128x128c2x1pw128")
