@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 from pathlib import Path
 
@@ -316,10 +317,20 @@ def even_clusters(tiling: GemmTiling, m: int, n: int, arch: str = "sm_90a") -> G
     return dataclasses.replace(tiling, cluster_m=1, cluster_n=2 if -(-n // tiling.tile_n) % 2 == 0 else 1)
 
 
-# The tuner's table (tools/tune.py): per arch, the measured best tiling of each plain product's
-# shape bucket. Dispatch takes it before the rules above; a bucket the tuner never ran falls
-# back to them.
+# The tuner's tables (tools/tune.py): per arch, the measured best tiling of each plain product's
+# shape bucket. Dispatch takes a user's table (written by the tuner on the user's machine), then
+# the shipped one, then the rules above.
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+USER_TUNED_ENV = "CUTEBWD_TUNED_DIR"
+
+
+def user_tuned_dir() -> Path:
+    """Where the tuner writes, and dispatch reads first: $CUTEBWD_TUNED_DIR, else the compile
+    cache's folder ($XDG_CACHE_HOME or ~/.cache, then cutebwd/tuned); never the installed package."""
+    value = os.environ.get(USER_TUNED_ENV)
+    if value:
+        return Path(value)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cutebwd" / "tuned"
 
 
 def shape_bucket(m: int, n: int, k: int, a_k_major: bool, b_k_major: bool) -> str:
@@ -334,11 +345,13 @@ def shape_bucket(m: int, n: int, k: int, a_k_major: bool, b_k_major: bool) -> st
 
 @functools.lru_cache(maxsize=None)
 def tuned_table(arch: str) -> dict:
-    """{bucket: entry} from layouts/tuned/<arch>.json ({} where the tuner has not run)."""
-    path = TUNED_DIR / f"{arch}.json"
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text())["entries"]
+    """{bucket: entry}: the user's table's entries over the shipped layouts/tuned/<arch>.json's
+    ({} where the tuner has run nowhere)."""
+    entries = {}
+    for path in (TUNED_DIR / f"{arch}.json", user_tuned_dir() / f"{arch}.json"):
+        if path.exists():
+            entries.update(json.loads(path.read_text())["entries"])
+    return entries
 
 
 def tuned_tiling(m: int, n: int, k: int, a_k_major: bool, b_k_major: bool, arch: str) -> GemmTiling | None:

@@ -224,3 +224,19 @@ def test_launch_shared_memory_and_cluster_from_host_code():
     assert not audit.build_problems({"arch": "sm_90a", "target": "sm_90", "families": {}, "resources": resources,
                                      "launches": audit.host_launches(big)}, {"sm_90a": {"max_cluster_ctas": 16}})
     assert _limits(resources, "sm_90a", [])  # nothing launches kernel_k_0
+
+
+def test_only_with_no_match_exits_non_zero_and_lists_the_builds(capsys):
+    from cutebwd.tools import audit
+
+    assert audit.main(["--only", "no-such-kernel"]) == 2
+    err = capsys.readouterr().err
+    assert "matches no build" in err and "fused_residual_rmsnorm_backward" in err
+
+
+def test_summary_counts_builds_and_names_failures():
+    from cutebwd.tools.audit import summary
+
+    results = [{"kernel": "a", "arch": "sm_90a", "violations": []},
+               {"kernel": "b", "arch": "sm_100a", "violations": ["no HGMMA"]}]
+    assert summary(results) == "2 builds, 1 ok\nFAIL b sm_100a: no HGMMA"

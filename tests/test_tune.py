@@ -26,9 +26,27 @@ def table(tmp_path, monkeypatch):
                shape_bucket(5120, 5120, 128, False, False): {"tiling": "128x128c2x1p", "default": "128x128c2x1p"}}
     (tmp_path / "sm_90a.json").write_text(json.dumps({"arch": "sm_90a", "entries": entries}))
     monkeypatch.setattr(layouts, "TUNED_DIR", tmp_path)
+    monkeypatch.setenv(layouts.USER_TUNED_ENV, str(tmp_path / "user"))
     tuned_table.cache_clear()
     yield
     tuned_table.cache_clear()
+
+
+def test_a_users_table_is_read_before_the_shipped_one(table, tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    bucket = shape_bucket(128, 5120, 5120, True, False)
+    (user / "sm_90a.json").write_text(json.dumps({"arch": "sm_90a", "entries": {bucket: {"tiling": "64x128"}}}))
+    tuned_table.cache_clear()
+    assert tuned_tiling(100, 5120, 5000, True, False, "sm_90a") == GemmTiling.from_spec("64x128")
+    assert layouts.user_tuned_dir() == user
+
+
+def test_the_tuner_writes_outside_the_package(monkeypatch, tmp_path):
+    monkeypatch.delenv(layouts.USER_TUNED_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert layouts.user_tuned_dir() == tmp_path / "cutebwd" / "tuned"
+    assert layouts.TUNED_DIR not in layouts.user_tuned_dir().parents
 
 
 def test_dispatch_reads_the_table_for_its_bucket_only(table):
@@ -52,7 +70,8 @@ def test_a_group_takes_the_pick_for_its_stacked_bucket(table):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_committed_tables_hold_runnable_tilings_under_their_own_keys(arch):
+def test_committed_tables_hold_runnable_tilings_under_their_own_keys(arch, monkeypatch, tmp_path):
+    monkeypatch.setenv(layouts.USER_TUNED_ENV, str(tmp_path))  # the shipped table alone
     tuned_table.cache_clear()
     for bucket, entry in tuned_table(arch).items():
         m, n, k = entry["shape"]

@@ -383,20 +383,32 @@ def build_problems(result: dict, expects: dict) -> list[str]:
     return violations(result, expects) + limit_violations(result, allowed)
 
 
-def run_audit(only: str | None = None, keep_dir: str | None = None, progress=print) -> list[dict]:
+def registered_builds(only: str | None = None) -> list:
+    """(name, build, expects, arch) for every registered build whose name contains `only`."""
     from cutebwd.kernels.registry import audit_builds
 
+    return [(name, build, expects, arch) for name, build, expects in audit_builds()
+            if not only or only in name
+            for arch in ARCHES if arch in expects]  # a build exists for the arches it names
+
+
+def run_audit(only: str | None = None, keep_dir: str | None = None, progress=print) -> list[dict]:
     nvdisasm = find_nvdisasm()
+    work = registered_builds(only)
     results = []
-    for name, build, expects in audit_builds():
-        if only and only not in name:
-            continue
-        for arch in (a for a in ARCHES if a in expects):  # a build exists for the arches it names
-            progress(f"[audit] {name} {arch} ...")
-            result = {"kernel": name, "arch": arch, **audit_build(build, arch, nvdisasm, keep_dir)}
-            result["violations"] = build_problems(result, expects)
-            results.append(result)
+    for i, (name, build, expects, arch) in enumerate(work, 1):
+        progress(f"[audit {i}/{len(work)}] {name} {arch} ...")
+        result = {"kernel": name, "arch": arch, **audit_build(build, arch, nvdisasm, keep_dir)}
+        result["violations"] = build_problems(result, expects)
+        results.append(result)
     return results
+
+
+def summary(results: list[dict]) -> str:
+    """'N builds, N ok', then one line per failing build."""
+    failed = [r for r in results if r["violations"]]
+    return (f"{len(results)} builds, {len(results) - len(failed)} ok"
+            + "".join(f"\nFAIL {r['kernel']} {r['arch']}: {'; '.join(r['violations'])}" for r in failed))
 
 
 def resource_summary(result: dict) -> dict:
@@ -487,25 +499,35 @@ def dispatch_summary(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default="audit.json", help="where to write the full results")
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.audit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default="audit.json", help="where to write the full results (the whole table)")
     parser.add_argument("--only", help="audit only builds whose name contains this")
     parser.add_argument("--keep", help="keep PTX and CUBIN files under this folder")
+    parser.add_argument("--table", action="store_true", help="also print the per-build table")
     parser.add_argument("--dispatch", action="store_true", help="audit what dispatch builds (tools/dispatch.py)")
     parser.add_argument("--gpu", action="append", help="with --dispatch: a GPU of layouts.gpus.GPUS (default: all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --dispatch: processes compiling")
     args = parser.parse_args(argv)
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.only and not args.dispatch and not registered_builds(args.only):
+        names = sorted({name for name, *_ in registered_builds()})
+        print(f"--only {args.only!r} matches no build; the builds are:\n  " + "\n  ".join(names), file=sys.stderr)
+        return 2
     if args.dispatch:
         results = run_dispatch_audit(args.gpu, args.only, args.keep, progress, args.jobs)
     else:
         results = run_audit(args.only, args.keep, progress)
-    print(format_table(results))
+    if not results:
+        print(f"--only {args.only!r} matches no build", file=sys.stderr)
+        return 2
+    if args.table:
+        print(format_table(results))
+    print(summary(results))
     if args.dispatch:
         print(dispatch_summary(results))
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"wrote {args.json}")
+    print(f"wrote {args.json} (the per-build table)")
     return 1 if any(r["violations"] for r in results) else 0
 
 

@@ -1,7 +1,9 @@
 """Shape-sweep tuner for the GEMM core: per product shape bucket, every candidate tiling is
 checked against an fp32 product, then the passing ones are timed turn by turn in CUDA-graph
-replay; the fastest goes to layouts/tuned/<arch>.json, which matmul_nt's dispatch reads
-(layouts.gemm.tuned_tiling) before its default rules.
+replay; the fastest goes to the user's table (<arch>.json in $CUTEBWD_TUNED_DIR, else
+~/.cache/cutebwd/tuned), which matmul_nt's dispatch reads (layouts.gemm.tuned_tiling) before the
+shipped layouts/tuned/<arch>.json and its default rules. `--out layouts/tuned/<arch>.json`
+updates the shipped table.
 
     python -m cutebwd.tools.tune [--tokens 128,512,2048,8192 | workloads] [--only "dW T=128"]
                                  [--candidates 128x256c2x1,...] [--resume] [--out PATH] [--seconds 0.3]
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="only products whose name contains this")
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated tiling specs")
     parser.add_argument("--seconds", type=float, default=0.3, help="turn-by-turn timing per product")
-    parser.add_argument("--out", help="the table (default layouts/tuned/<arch>.json)")
+    parser.add_argument("--out", help="the table (default: <arch>.json in layouts.gemm.user_tuned_dir(), "
+                                      "$CUTEBWD_TUNED_DIR or ~/.cache/cutebwd/tuned, which dispatch reads first)")
     parser.add_argument("--resume", action="store_true", help="keep the table's buckets and skip them")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -101,11 +104,11 @@ def main(argv=None) -> int:
     import torch
 
     from cutebwd.kernels.runtime import device_gpu
-    from cutebwd.layouts.gemm import TUNED_DIR, default_tiling, shape_bucket, tuned_table
+    from cutebwd.layouts.gemm import default_tiling, shape_bucket, tuned_table, user_tuned_dir
 
     gpu = device_gpu(torch.cuda.current_device())
     arch = gpu.arch
-    path = Path(args.out) if args.out else TUNED_DIR / f"{arch}.json"
+    path = Path(args.out) if args.out else user_tuned_dir() / f"{arch}.json"
     table = json.loads(path.read_text()) if args.resume and path.exists() else {}
     table.update({"arch": arch, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "date": datetime.date.today().isoformat(), "method": "graph replay, turn by turn"})
