@@ -32,8 +32,8 @@ class ColumnSum:
     """
 
     WARPS = 16
-    # Half a 128-byte line per CTA: 80 CTAs at H = 2560, +0.5 point of copy bandwidth at the fused
-    # residual RMSNorm backward's shortest grid calls against a full line (40 CTAs, longer
+    # Half a 128-byte line per CTA: 160 CTAs at H = 2560, +0.5 point of copy bandwidth at the
+    # fused residual RMSNorm backward's shortest grid calls against a full line (80 CTAs, longer
     # chains); a quarter line was in between.
     LINE_VECTORS = 4
     ROW_LANES = 32 // LINE_VECTORS

@@ -37,7 +37,7 @@ class SegmentFixup:
     LANE_VECTORS a lane. Its warps split the partial rows round-robin; then warp w adds the
     warps' sums of each lane's w-th vector in warp order: a fixed order. Few CTAs own anything,
     so the grid's size is most of the kernel's time: four vectors a lane launch a quarter of
-    the CTAs that one did (4224 -> 1056 at 32K tokens, H = 4096).
+    the CTAs that one did (8448 -> 2112 for 264 ranges at H = 4096).
 
     Launched as the row kernel's programmatic dependent: where the sorted ids were there before
     the row kernel (`ids_ready`), ownership (a chain of dependent loads) is worked out while the
