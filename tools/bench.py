@@ -154,6 +154,18 @@ def _ours_087(problem):
     return lambda *inputs: embedding_rmsnorm_backward(*inputs, vocab_size=vocab)
 
 
+@register("embedding_rmsnorm_backward", "cutebwd out=")
+def _ours_087_into(problem):
+    """The benchmark's call: preallocated outputs, the table written whole."""
+    from cutebwd.kernels.embedding_backward import embedding_rmsnorm_backward
+
+    vocab, hidden = problem.dims["vocab"], problem.dims["hidden"]
+
+    def op(*inputs, out):
+        return embedding_rmsnorm_backward(*inputs, vocab_size=vocab, out=out)
+    return _into(op, lambda inputs: (inputs[0].new_empty((vocab, hidden)), torch.empty_like(inputs[4])))
+
+
 @register("embedding_rmsnorm_backward", "cutebwd acc", accumulate=True,
           distinct_ids=lambda inputs: int(inputs[1].unique().numel()))
 def _ours_087_accumulate(problem):
