@@ -31,10 +31,17 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 
 def directory() -> Path | None:
     """The cache directory, or None when the layer is off."""
-    value = os.environ.get(ENV, "")
-    if value.lower() in ("off", "0", "none"):
+    if os.environ.get(ENV, "").lower() in ("off", "0", "none"):
         return None
-    if value:
+    return user_directory()
+
+
+def user_directory() -> Path:
+    """The folder the cache lives in whether or not the layer is on ($CUTEBWD_CACHE_DIR where it
+    names one, else $XDG_CACHE_HOME or ~/.cache, then cutebwd): the user's other files (the
+    tuner's table) go there too."""
+    value = os.environ.get(ENV, "")
+    if value and value.lower() not in ("off", "0", "none"):
         return Path(value)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cutebwd"
 

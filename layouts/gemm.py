@@ -325,12 +325,12 @@ USER_TUNED_ENV = "CUTEBWD_TUNED_DIR"
 
 
 def user_tuned_dir() -> Path:
-    """Where the tuner writes, and dispatch reads first: $CUTEBWD_TUNED_DIR, else the compile
-    cache's folder ($XDG_CACHE_HOME or ~/.cache, then cutebwd/tuned); never the installed package."""
+    """Where the tuner writes, and dispatch reads first: $CUTEBWD_TUNED_DIR, else `tuned` in the
+    compile cache's folder (kernels.disk_cache.user_directory); never the installed package."""
+    from ..kernels.disk_cache import user_directory
+
     value = os.environ.get(USER_TUNED_ENV)
-    if value:
-        return Path(value)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cutebwd" / "tuned"
+    return Path(value) if value else user_directory() / "tuned"
 
 
 def shape_bucket(m: int, n: int, k: int, a_k_major: bool, b_k_major: bool) -> str:

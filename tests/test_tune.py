@@ -44,9 +44,12 @@ def test_a_users_table_is_read_before_the_shipped_one(table, tmp_path):
 
 def test_the_tuner_writes_outside_the_package(monkeypatch, tmp_path):
     monkeypatch.delenv(layouts.USER_TUNED_ENV, raising=False)
+    monkeypatch.delenv("CUTEBWD_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert layouts.user_tuned_dir() == tmp_path / "cutebwd" / "tuned"
     assert layouts.TUNED_DIR not in layouts.user_tuned_dir().parents
+    monkeypatch.setenv("CUTEBWD_CACHE_DIR", str(tmp_path / "cache"))  # beside the compile cache
+    assert layouts.user_tuned_dir() == tmp_path / "cache" / "tuned"
 
 
 def test_dispatch_reads_the_table_for_its_bucket_only(table):

@@ -1,7 +1,7 @@
 """Shape-sweep tuner for the GEMM core: per product shape bucket, every candidate tiling is
 checked against an fp32 product, then the passing ones are timed turn by turn in CUDA-graph
-replay; the fastest goes to the user's table (<arch>.json in $CUTEBWD_TUNED_DIR, else
-~/.cache/cutebwd/tuned), which matmul_nt's dispatch reads (layouts.gemm.tuned_tiling) before the
+replay; the fastest goes to the user's table (<arch>.json in $CUTEBWD_TUNED_DIR, else in `tuned`
+beside the compile cache, ~/.cache/cutebwd/tuned by default), which matmul_nt's dispatch reads (layouts.gemm.tuned_tiling) before the
 shipped layouts/tuned/<arch>.json and its default rules. `--out layouts/tuned/<arch>.json`
 updates the shipped table.
 
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated tiling specs")
     parser.add_argument("--seconds", type=float, default=0.3, help="turn-by-turn timing per product")
     parser.add_argument("--out", help="the table (default: <arch>.json in layouts.gemm.user_tuned_dir(), "
-                                      "$CUTEBWD_TUNED_DIR or ~/.cache/cutebwd/tuned, which dispatch reads first)")
+                                      "$CUTEBWD_TUNED_DIR or tuned/ beside the compile cache, which dispatch reads first)")
     parser.add_argument("--resume", action="store_true", help="keep the table's buckets and skip them")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
