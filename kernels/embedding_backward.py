@@ -397,10 +397,10 @@ class _Entry:
         import torch
 
         self.device, self.hidden, self.accumulate = device, hidden, accumulate
-        self.norm_weight = BFloat16 if norm_weight_dtype == torch.bfloat16 else Float32
+        self.norm_weight = runtime.cute_dtype(norm_weight_dtype)
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self.arch = runtime.device_arch(device.index)
-        self.ids = Int64 if ids_dtype == torch.int64 else Int32
+        self.ids = runtime.cute_dtype(ids_dtype)
         self.index = id_radix.Workspace(device)
         # grad_norm_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)

@@ -475,8 +475,8 @@ class Sm90Gemm:
                     publish_partial(flags, slot, thread, team_sync)
                 else:
                     if k_begin > 0:
-                        # Add the earlier k-iterations' partials, cluster by cluster in order (a
-                        # fixed order), each from the same rank of the owner cluster.
+                        # Add the earlier k-iterations' partials in cluster order (a fixed order),
+                        # each from the CTA of this rank in the cluster that computed it.
                         for earlier in cutlass.range(owner(tile, plan), plan[0]):
                             theirs = earlier * self.cluster_size + rank
                             await_partial(flags, theirs, thread, team_sync)

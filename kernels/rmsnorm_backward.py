@@ -94,12 +94,11 @@ class RowForm:
         return self.dx_from_x or not read_normalized
 
     def key(self) -> tuple:
-        """The build key's part: the default form's builds keep their old keys, and the decoder
-        layer's (dx from x) too."""
+        """The build key's part: nothing for the default form, every field for another."""
         if self == RowForm():
             return ()
         return (self.grad.__name__, self.x.__name__, self.weight.__name__, self.from_variance,
-                self.residual_grad, *(() if self.dx_from_x else ("dx from normalized",)))
+                self.residual_grad, self.dx_from_x)
 
 
 class FusedResidualRmsNormBackward:

@@ -42,7 +42,7 @@ def embedding_rmsnorm_backward(
     xn = ev(hidden_states).reshape(-1, hidden) * rstd
 
     grad_norm_weight = (g * xn).sum(0)
-    dx = normalized_dx(g * ev(norm_weight).to(g.dtype), xn, rstd)
+    dx = normalized_dx(g * ev(norm_weight), xn, rstd)
     if accumulate_into is None:
         table = torch.zeros(vocab_size, hidden, dtype=dx.dtype, device=dx.device)
     else:

@@ -1,7 +1,8 @@
 """Benchmark on the GPU, in one run: the two ceilings (device copy bandwidth, bf16 cuBLAS
 matmul rate), then per problem and workload every implementation registered for it (the eager
 reference, torch.compile of it, and our kernels and peers as they land), each held to the
-correctness bar of semantics.md version 2 (tools/parity.py) before it is timed, with time, speed-of-light time and fraction of it;
+correctness bar of semantics.md version 2 (tools/parity.py) before it is timed, with time,
+speed-of-light time and fraction of it;
 for inputs under 64 MB also a CUDA-graph replay time and the host's CPU time per call. Each
 timed row carries the SM clock and board power sampled while it ran (tools/clocks.py): under
 sustained load the H200 sits at its power cap, and a ratio of two rows means most when their

@@ -12,6 +12,7 @@ its declared dtypes) and the exact evaluation `exact` (float64, no intermediate 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ class OutputReport:
 
     @property
     def accuracy_ok(self) -> bool:
-        return self.ref_error != self.ref_error or self.error <= self.error_limit  # nan: not measured
+        return math.isnan(self.ref_error) or self.error <= self.error_limit  # nan: not measured
 
     @property
     def ok(self) -> bool:
