@@ -6,7 +6,7 @@ import, and `cutebwd.references` needs none of it):
     cutebwd.rms_rstd(x, eps=1e-6, *, out=None)     row rsqrt(mean(x^2) + eps), fp32
     cutebwd.fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *, out=None)
     cutebwd.embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm_weight, *,
-                                       vocab_size=65536, out=None, accumulate=False)
+                                       vocab_size=65536, out=None, accumulate=False, check_ids="deferred")
 
     cutebwd.qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight,
                                 q_norm_weight, k_norm_weight, query_transposed, key_transposed, q_rstd,
@@ -14,6 +14,8 @@ import, and `cutebwd.references` needs none of it):
     cutebwd.decoder_layer_backward(grad_output, residual, attn_input, ..., hidden_states_normalized2, eps,
                                    *, out=None)   the 34 inputs of semantics.md's L2/056, in order
     cutebwd.ResidualRMSNorm(hidden, eps=1e-6)     autograd module, 013's kernel as its backward
+    cutebwd.check_errors(device=None)             synchronizes and raises an error the device recorded
+                                                  (out-of-range ids of a deferred check)
 
 `import cutebwd.kernels.torch_ops` registers the ops as torch.ops.cutebwd.* custom operators
 (torch.compile traces through them; kernels/torch_ops.py).
@@ -37,6 +39,7 @@ _OPS = {
     "qkv_qknorm_backward": "cutebwd.kernels.qkv_qknorm_backward",
     "decoder_layer_backward": "cutebwd.kernels.decoder_layer_backward",
     "ResidualRMSNorm": "cutebwd.kernels.torch_ops",
+    "check_errors": "cutebwd.kernels.errors",
 }
 
 __all__ = sorted(_OPS)

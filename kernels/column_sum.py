@@ -21,42 +21,49 @@ class ColumnSum:
     element type, fixed at compile time, picks the store).
 
     A CTA owns LINE_VECTORS column vectors (64 bytes of each partial row) and spreads the
-    partial rows over 128 streams: ROW_LANES row lanes in each of WARPS warps, stream s adding
-    rows s, s + 128, ... in order. The streams combine by a butterfly within the warp, then
+    partial rows over 8 x warps streams: ROW_LANES row lanes in each warp, stream s adding
+    rows s, s + 8 x warps, ... in order. The streams combine by a butterfly within the warp, then
     warp 0 adds the warps in warp order. Many CTAs each walking a few rows: the ~300-500
     partial rows of a persistent grid cost two to four dependent loads a stream. Launched with programmatic
     dependent launch: it starts while the backward kernel drains and waits on griddepcontrol.
-    With `skip` (a one-element fp32 tensor an earlier kernel writes), out is left alone where
-    skip[0] != 0: how the embedding backward writes nothing for out-of-range ids without a host
-    round trip.
+    With `skip` (a one-element fp32 tensor an earlier kernel writes): skip[0] == 0 stores the
+    sums, 1 leaves out alone, 2 fills it with NaN: how the embedding backward writes nothing
+    into a caller's output for out-of-range ids, and no plausible numbers into its own, without
+    a host round trip.
     """
 
-    WARPS = 16
     # Half a 128-byte line per CTA: 160 CTAs at H = 2560, +0.5 point of copy bandwidth at the
     # fused residual RMSNorm backward's shortest grid calls against a full line (80 CTAs, longer
     # chains); a quarter line was in between.
     LINE_VECTORS = 4
     ROW_LANES = 32 // LINE_VECTORS
 
-    def __init__(self, hidden: int):
-        self.hidden = hidden
+    def __init__(self, hidden: int, warps: int = 16):
+        """`warps` a CTA: 16 in a launch of its own; fewer as part of another kernel's grid
+        (SegmentFixup's), whose CTA size it takes."""
+        self.hidden, self.warps = hidden, warps
+        self.ctas = -(-hidden // VECTOR // self.LINE_VECTORS)
 
     @cute.jit
     def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream, skip=None):
-        self.kernel(partials, out, skip).launch(
-            grid=[cute.ceil_div(self.hidden // VECTOR, self.LINE_VECTORS), 1, 1], block=[32 * self.WARPS, 1, 1],
-            stream=stream, use_pdl=True)
+        self.kernel(partials, out, skip).launch(grid=[self.ctas, 1, 1], block=[32 * self.warps, 1, 1],
+                                                stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, m_part: cute.Tensor, m_out: cute.Tensor, m_skip):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        self.sum(m_part, m_out, m_skip, bidx, tidx)
+
+    @cute.jit
+    def sum(self, m_part: cute.Tensor, m_out: cute.Tensor, m_skip, bidx, tidx):
+        """CTA `bidx`'s columns (of self.ctas), waiting on griddepcontrol for the partials."""
         lane, warp = tidx % 32, tidx // 32
         column, row_lane = lane % self.LINE_VECTORS, lane // self.LINE_VECTORS
         v = bidx * self.LINE_VECTORS + column
-        streams = self.WARPS * self.ROW_LANES
+        streams = self.warps * self.ROW_LANES
         smem = cutlass.memory.SmemAllocator()
-        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, self.LINE_VECTORS, self.WARPS)),
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, self.LINE_VECTORS, self.warps)),
                                          byte_alignment=16)
         atom = wide_copy(Float32)
         acc = cute.make_rmem_tensor((VECTOR,), Float32)
@@ -73,14 +80,15 @@ class ColumnSum:
         if row_lane == 0:
             warp_sums[None, column, warp].store(acc.load())
         cute.arch.barrier()
-        skipped = Int32(0)
+        skip = Float32(0.0)
         if cutlass.const_expr(m_skip is not None):
-            if m_skip[0] != 0.0:
-                skipped = Int32(1)
-        if warp == 0 and row_lane == 0 and v < self.hidden // VECTOR and skipped == 0:
+            skip = m_skip[0]
+        if warp == 0 and row_lane == 0 and v < self.hidden // VECTOR and skip != 1.0:
             acc.fill(0.0)
-            for w in cutlass.range_constexpr(self.WARPS):
+            for w in cutlass.range_constexpr(self.warps):
                 acc.store(acc.load() + warp_sums[None, column, w].load())
+            if skip == 2.0:
+                acc.fill(float("nan"))
             result = cute.make_rmem_tensor((VECTOR,), m_out.element_type)
             result.store(acc.load().to(m_out.element_type))  # the one rounding of a bf16 out
             cute.copy(wide_copy(m_out.element_type), result, vector(m_out, v))

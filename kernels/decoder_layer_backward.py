@@ -47,7 +47,7 @@ import math
 from ..layouts.gemm import GemmTiling
 from ..references import decoder_layer as contract
 from ..references.inputs import model_dims
-from . import padded_rows, rmsnorm_backward
+from . import errors, padded_rows, rmsnorm_backward
 from .epilogue import DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD
 from .gemm import GemmCall, matmul_nt
 from .gemm_batched import matmul_nt_batched, summed_k
@@ -96,6 +96,7 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
         o_weight, post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1, variance2,
         hidden_states_normalized1, hidden_states_normalized2)))
     dims = _dims(args)
+    errors.raise_pending(dims[-1].index)
     first = dims not in _checked  # the full checks run on a shape's first call and to explain an error
     if first:
         _check_inputs(args, eps, dims)

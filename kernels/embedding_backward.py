@@ -11,25 +11,22 @@ order, which fixes the order of every fp32 sum: bitwise repeatable. Up to
 SORT_ON_CHIP_MAX_TOKENS tokens every row-kernel CTA sorts the raw ids in its shared memory
 (id_sort.py: no sort launches, no host work); above, an index pass (below).
 
-Id check: out-of-range ids raise and nothing is written, so the host waits for a verdict once
-a call, after queueing the launches except on the aminmax path (docs/design-embedding.md):
-- ids sorted on chip: every kernel reads the sorted ends and, with an id outside [0, vocab),
-  writes neither the table nor grad_norm_weight; the row kernel's CTA 0 leaves that verdict in
-  a status word, read back once the launches are done;
-- larger calls: up to id_radix.MAX_TOKENS tokens (vocabularies up to 65536 ids)
-  our own stable radix sort (id_radix: three kernels, one FFI call) also writes each chunk's
-  id range, which goes to pinned memory, and writes -1 as the first sorted id when a range is
-  bad, so every kernel sees the verdict and writes nothing. The host queues all launches and
-  only then waits for the ranges (waiting before the launches left the GPU idle; waiting for
-  PyTorch's sort, ~126 us a call at 32K tokens). Above MAX_TOKENS, id_sort.RangeAndKeys,
-  PyTorch's sort of int16 keys and id_sort.WidenKeys do the same in more launches;
-  vocabularies above 65536 ids: aminmax and an int32 sort, the host waiting for the range
-  before the launches.
+Id check, on the device, with no host synchronization (docs/design-embedding.md): the verdict
+rides with the sorted ids, so every kernel refuses bad ids before it writes anything.
+- Ids sorted on chip: each row-kernel CTA sees bad ids as it sorts; CTA 0 records their range
+  in the device's error record (errors.py) and leaves the verdict in a status word for the
+  column sum.
+- Sorted beforehand: the index pass (our radix sort up to id_radix.MAX_TOKENS tokens and 65536
+  ids; RangeAndKeys, PyTorch's sort of int16 keys and WidenKeys above; PyTorch's operations
+  for larger vocabularies) writes -1 as the first sorted id when an id is bad, and records the
+  range; the kernels check the sorted ends.
+With bad ids a caller's outputs are left untouched and the call's own are filled with NaN.
+The host learns of the error at its next call (errors.raise_pending), or at once with
+check_ids="now", which synchronizes.
 
-Fresh tables: on the radix path the sort also marks the ids present in a bitmap and the row
-kernel zeroes the unmarked rows (an even cut of the table's rows per CTA) beside its own
-writes, so each row is written once and no host check has to precede a fill; elsewhere a
-memset fills the table first.
+Fresh tables are written whole by the row kernel, each row once: beside its own writes every
+CTA zeroes the rows of an even cut of [0, V) that no sorted id touches (a walk of the sorted
+ids), so no fill precedes the kernels and nothing depends on the verdict being known early.
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
@@ -39,8 +36,9 @@ range boundary leaves fp32 partial rows instead (the tail of the range where it 
 head of every later range it covers); `SegmentFixup` then adds those partials in range order
 and writes the row once. So one id shared by every token (the worst case) spreads over all CTAs
 like random ids do, and its partials are summed by many CTAs, split over columns.
-grad_norm_weight: per-CTA fp32 partials and the fixed-order `ColumnSum`, which rounds the fp32
-sum once as it stores a bf16 grad_norm_weight; no float atomics anywhere.
+grad_norm_weight: per-CTA fp32 partials and the fixed-order `ColumnSum` (in the fix-up's
+launch), which rounds the fp32 sum once as it stores a bf16 grad_norm_weight; no float atomics
+anywhere.
 
 norm_weight's dtype (bf16 or fp32) is a compile-time fact of each build: the row kernel reads
 it as it is (8- or 16-byte vectors) and computes in fp32, and grad_norm_weight takes the same
@@ -56,13 +54,13 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from . import id_radix, runtime
-from .column_sum import ColumnSum
+from . import errors, id_radix, runtime
 from .segment_fixup import SegmentFixup, ids_in_range, range_start
 from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys, sort_ids
+from .id_sort import report_bad_raw_ids
 from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
-                   read_row, ring_stages, row_sum, rows_view, store_row, thread_split, wide_copy)
+                   read_row, ring_stages, row_sum, rows_view, store_row, thread_split, vector, wide_copy)
 
 TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
 CTAS_PER_SM = 2  # 256 threads x 128 registers
@@ -82,45 +80,42 @@ class EmbeddingRmsNormBackward:
         row_bytes = hidden * (2 + 4 + (2 if accumulate else 0))
         self.stages = ring_stages(row_bytes, RING_BYTES - 4 * MAX_STAGES * self.threads, MAX_STAGES)
         self.fixup = SegmentFixup(hidden, accumulate)
-        self.column_sum = ColumnSum(hidden)
 
     @cute.jit
     def __call__(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
                  norm_weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
-                 grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
-        """The ids sorted beforehand (int32 sorted ids and their int64 order)."""
-        self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, table, grad_norm_weight,
-                    workspace, ctas, stream)
+                 grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, grid: Int32,
+                 poison: Int32, stream: cuda.CUstream):
+        """The ids sorted beforehand (int32 sorted ids and their int64 order; the index pass
+        records bad ids). Of `grid` CTAs the first `ctas` walk the sorted positions and all fill
+        a fresh table (see `kernel`). `poison` (fresh tables): 1 where the outputs are the
+        call's own, which bad ids fill with NaN; 0 where they are the caller's, which bad ids
+        leave untouched."""
+        self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, None, table,
+                    grad_norm_weight, workspace, ctas, grid, poison, stream)
 
     @cute.jit
     def sort_on_chip(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
-                     norm_weight: cute.Tensor, ids: cute.Tensor, sorted_ids: cute.Tensor, table: cute.Tensor,
-                     grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
-        """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32), each row-kernel
-        CTA sorting them itself; CTA 0 leaves the sorted ids in `sorted_ids` (int32, at least
-        as long) for the fix-up."""
+                     norm_weight: cute.Tensor, ids: cute.Tensor, sorted_ids: cute.Tensor, record: cute.Tensor,
+                     table: cute.Tensor, grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32,
+                     grid: Int32, poison: Int32, stream: cuda.CUstream):
+        """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32, [b, s], contiguous:
+        the caller checks), each row-kernel CTA sorting them itself; CTA 0 leaves the sorted ids
+        in `sorted_ids` (int32, at least as long) for the fix-up and bad ids' range in `record`
+        (errors.py)."""
+        # Read flat, as the [b, s] tensor itself: a reshape cost 2.6 us of host time a call.
+        ids = cute.make_tensor(ids.iterator, cute.make_layout(cute.size(ids)))
         published = cute.make_tensor(sorted_ids.iterator, cute.make_layout(cute.size(ids)))
-        self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, table, grad_norm_weight,
-                    workspace, ctas, stream)
+        self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, record, table,
+                    grad_norm_weight, workspace, ctas, grid, poison, stream)
 
     @cute.jit
-    def zeroing_untouched(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
-                          norm_weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor,
-                          touched: cute.Tensor, table: cute.Tensor, grad_norm_weight: cute.Tensor,
-                          workspace: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
-        """A fresh table on the radix path, not zero-filled beforehand: `touched` is the sort's
-        bitmap of the ids present (id_radix), and each CTA zeroes its share of the rows no token
-        touches, so every row is written once."""
-        assert not self.accumulate, "only a fresh table is zeroed"
-        self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, table,
-                    grad_norm_weight, workspace, ctas, stream, touched)
-
-    @cute.jit
-    def launch(self, grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, ids, table,
-               grad_norm_weight, workspace, ctas, stream, touched=None):
+    def launch(self, grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, ids, record, table,
+               grad_norm_weight, workspace, ctas, grid, poison, stream):
         """workspace rows: [0, ctas) grad_norm_weight partials (fp32 whatever its dtype); ctas + 2c
         and ctas + 2c + 1 the head and tail segment partials of range c; the last row's first
-        element the id status (1.0: an id out of range, nothing written)."""
+        element the id status (ColumnSum's `skip`: 0 in range, 1 bad ids, 2 bad ids with
+        `poison`)."""
         h = self.hidden
         row_stride = cute.assume(workspace.stride[0], divby=VECTOR)
         partials = cute.make_tensor(workspace.iterator, cute.make_layout((ctas, h), stride=(row_stride, 1)))
@@ -130,18 +125,22 @@ class EmbeddingRmsNormBackward:
         # A programmatic dependent of whatever ran before it (the radix sort's last pass): it
         # waits on griddepcontrol before reading anything but its inputs.
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
-                    sorted_ids, order, table, partials, carries, status, ids, touched).launch(
-            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
-        self.fixup(sorted_ids, table, carries, ctas, stream, ids_ready=ids is None)
-        self.column_sum(partials, grad_norm_weight, stream, skip=status)  # fp32 sum, stored in its dtype
+                    sorted_ids, order, table, partials, carries, status, ids, record, ctas, poison).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+        # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch
+        self.fixup(sorted_ids, table, carries, ctas, partials, grad_norm_weight, status, stream,
+                   ids_ready=ids is None)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
                m_sorted: cute.Tensor, m_order, m_table: cute.Tensor, m_part: cute.Tensor,
-               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_touched):
+               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, ctas: Int32, poison: Int32):
+        """CTAs [0, ctas) walk ranges of the sorted positions (at least one each); every CTA of
+        the grid fills its share of a fresh table, so a short call still fills with the whole
+        GPU. (CTAs of their own for the fill beside a short walk measured slower: 1024 tokens
+        160 against 157 us, 4096 tokens 208 against 193, H200.)"""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        ctas, _, _ = cute.arch.grid_dim()
         lane, warp = tidx % 32, tidx // 32
         h, vpt, threads = self.hidden, self.vectors_per_thread, self.threads
         vectors = h // VECTOR
@@ -163,9 +162,14 @@ class EmbeddingRmsNormBackward:
             cute.arch.griddepcontrol_wait()  # the sorted ids and order are complete past this point
             in_range = ids_in_range(m_sorted, m_table.shape[0])
         tokens = cute.size(m_sorted)
-        lo, hi = range_start(bidx, tokens, ctas), range_start(bidx + 1, tokens, ctas)
+        lo, hi = Int32(0), Int32(0)  # a filling CTA: no positions
+        if bidx < ctas:
+            lo, hi = range_start(bidx, tokens, ctas), range_start(bidx + 1, tokens, ctas)
         if bidx == 0 and tidx == 0:
-            m_status[0] = Float32(1 - in_range)
+            m_status[0] = Float32((1 - in_range) * (1 + poison))
+            if cutlass.const_expr(m_ids is not None):
+                if in_range == 0:
+                    report_bad_raw_ids(m_record, m_ids, m_table.shape[0])
         if in_range == 0:
             hi = lo  # no rows, so no table writes (partials go to the workspace only)
 
@@ -190,9 +194,15 @@ class EmbeddingRmsNormBackward:
                     self.fetch(fetches, m_go, m_x, m_rstd, m_table, m_sorted, Int32(m_order[lo + j]), lo + j,
                                rows_ring, rstd_ring, j, tidx)
                 cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(m_touched is not None):
-            if in_range == 1:  # with the ring's first rows in flight
-                self.zero_untouched(m_table, m_touched, bidx, ctas, tidx)
+        if cutlass.const_expr(not self.accumulate):
+            # A fresh table is written whole, each row once (no fill beforehand), with the
+            # ring's first rows in flight: the rows no id touches get zeros; bad ids leave a
+            # caller's table alone and fill the call's own with NaN.
+            grid, _, _ = cute.arch.grid_dim()
+            if in_range == 1:
+                self.fill_rows(m_table, m_sorted, Int32(1), Float32(0.0), bidx, grid, tidx)
+            elif poison == 1:
+                self.fill_rows(m_table, m_sorted, Int32(0), Float32(float("nan")), bidx, grid, tidx)
         for p in cutlass.range(lo, hi):
             if cutlass.const_expr(ring > 0):
                 ahead = p + ring - 1
@@ -241,25 +251,37 @@ class EmbeddingRmsNormBackward:
         if hi < tokens and hi > lo:
             if m_sorted[hi] == m_sorted[hi - 1]:
                 store_row(loads[1], segment, m_carry[2 * bidx + 1 - head, None], tidx, threads, vpt, vectors)
-        store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
+        if bidx < ctas:
+            store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def zero_untouched(self, m_table, m_touched, bidx, ctas, tidx):
-        """Zeroes the rows of this CTA's share of the table (an even cut of [0, V)) whose bit in
-        m_touched is clear: rows no token touches, which no other write reaches."""
-        zeros = cute.make_rmem_tensor((VECTOR, self.vectors_per_thread), Float32)
-        zeros.fill(0.0)
+    def fill_rows(self, m_table, m_sorted, untouched_only: Int32, value: Float32, bidx, ctas, tidx):
+        """Writes `value` into the rows of this CTA's share of the table (an even cut of
+        [0, V)), or with `untouched_only` into those of its rows no sorted id touches: a walk
+        of the sorted ids beside the rows, holding the next id in a register (one compare a
+        row; a search past a touched row's repeats), so no bitmap is needed."""
+        # One bf16 vector of `value` (not a row's worth of fp32 registers: this runs beside the
+        # walk's live rows, and sm_100a spilled with them).
+        wide = cute.make_rmem_tensor((VECTOR,), Float32)
+        wide.fill(value)
+        values = cute.make_rmem_tensor((VECTOR,), BFloat16)
+        values.store(wide.load().to(BFloat16))
+        atom, threads, vectors = wide_copy(BFloat16), self.threads, self.hidden // VECTOR
         rows = m_table.shape[0]
         first, last = range_start(bidx, rows, ctas), range_start(bidx + 1, rows, ctas)
-        word = m_touched[first >> 5]  # one load per 32 rows, not one per row
+        tokens = cute.size(m_sorted) * untouched_only  # no ids: every row
+        position = _lower_bound(m_sorted, Int32(0), tokens, first)
+        next_id = _id_at(m_sorted, position, tokens)
         for r in cutlass.range(first, last):
-            if (r & 31) == 0:
-                word = m_touched[r >> 5]
-            if ((word >> (r & 31)) & 1) == 0:
-                store_row(wide_copy(BFloat16), zeros, m_table[r, None], tidx, self.threads, self.vectors_per_thread,
-                          self.hidden // VECTOR)
+            if next_id == r:
+                position = _lower_bound(m_sorted, position + 1, tokens, r + 1)
+                next_id = _id_at(m_sorted, position, tokens)
+            else:
+                for k in cutlass.range_constexpr(self.vectors_per_thread):
+                    if tidx + k * threads < vectors:
+                        cute.copy(atom, values, vector(m_table[r, None], tidx + k * threads))
 
     @cute.jit
     def fetch(self, fetches, m_go, m_x, m_rstd, m_table, m_sorted, token, p, rows_ring, rstd_ring, slot, tidx):
@@ -273,6 +295,31 @@ class EmbeddingRmsNormBackward:
             if _segment_ends(m_sorted, p) == 1:
                 fetch_row(fetches, (m_table[Int32(m_sorted[p]), None],), rows_ring[2:], slot, tidx, self.threads,
                           self.vectors_per_thread, self.hidden // VECTOR)
+
+
+@cute.jit
+def _lower_bound(m_sorted, low, high, value) -> Int32:
+    """The first position in [low, high) whose sorted id is >= value (high if none): a look at
+    `low` first, which settles the common case (ids without repeats) in one load."""
+    if low < high:
+        if m_sorted[low] < value:
+            low = low + 1
+            while low < high:
+                middle = (low + high) // 2
+                if m_sorted[middle] < value:
+                    low = middle + 1
+                else:
+                    high = middle
+    return low
+
+
+@cute.jit
+def _id_at(m_sorted, position, tokens) -> Int32:
+    """The sorted id at `position`, or one above every row index past the end."""
+    found = Int32(2**31 - 1)
+    if position < tokens:
+        found = m_sorted[position]
+    return found
 
 
 @cute.jit
@@ -301,9 +348,10 @@ def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tid
 
 def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None):
     """Compile-time stand-ins. batch/seq shared by the [b, s, ...] tensors, tokens by the
-    sorted ids and their order (or, with `ids_dtype`, by the raw ids; the sorted-ids buffer is
-    then any length), vocabulary and workspace rows free; H static. norm_weight and
-    grad_norm_weight in `norm_weight_dtype` (BFloat16 or Float32), vector aligned."""
+    sorted ids and their order (or, with `ids_dtype`, by the raw ids, then followed by the
+    sorted-ids buffer, any length, and the error record), vocabulary and workspace rows free;
+    H static. norm_weight and grad_norm_weight in `norm_weight_dtype` (BFloat16 or Float32),
+    vector aligned."""
     batch, seq, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     vocab, workspace_rows = cute.sym_int32(), cute.sym_int32()
     rstd = fake_rstd(batch, seq)
@@ -311,31 +359,25 @@ def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None):
                                                          VECTOR * norm_weight_dtype.width // 8) for _ in range(2))
     sorted_ids = runtime.fake_tensor(Int32, (tokens if ids_dtype is None else cute.sym_int32(),), (1,), 4)
     if ids_dtype is None:
-        ids_or_order = (sorted_ids, runtime.fake_tensor(Int64, (tokens,), (1,), 8))
+        index = (sorted_ids, runtime.fake_tensor(Int64, (tokens,), (1,), 8))
     else:
-        ids_or_order = (runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8), sorted_ids)
+        ids = runtime.fake_tensor(ids_dtype, (batch, seq), (cute.sym_int64(), 1), ids_dtype.width // 8)
+        index = (ids, sorted_ids, runtime.fake_tensor(Int64, (errors.WORDS,), (1,), 8))
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, norm_weight,
-            *ids_or_order, table, grad_norm_weight, workspace, Int32(1))
+            *index, table, grad_norm_weight, workspace, Int32(1), Int32(1), Int32(0))
 
 
-def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir=None, ids_dtype=None,
-           touched: bool = False):
+def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir=None, ids_dtype=None):
     """`norm_weight_dtype` (BFloat16 or Float32): norm_weight's and grad_norm_weight's. Without
     `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's id dtype
-    (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `touched` (a fresh
-    table, ids sorted beforehand): the row kernel also zeroes the rows the radix sort's bitmap
-    leaves clear."""
+    (see the call); with it (Int64 or Int32) the raw ids, sorted on chip."""
     op = EmbeddingRmsNormBackward(hidden, accumulate)
-    args = list(_fake_args(hidden, norm_weight_dtype, ids_dtype))
-    entry = op if ids_dtype is None else op.sort_on_chip
-    if touched:
-        entry = op.zeroing_untouched
-        args.insert(6, runtime.fake_tensor(Int32, (id_radix.TOUCHED_WORDS,), (1,), 16))
     return runtime.compile_kernel(
-        ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype), touched),
-        entry, *args, runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+        ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype)),
+        op if ids_dtype is None else op.sort_on_chip, *_fake_args(hidden, norm_weight_dtype, ids_dtype),
+        runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
 def _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size):
@@ -391,7 +433,7 @@ def _vector_bytes(norm_weight) -> int:
 class _Entry:
     """What one (hidden size, accumulate, ids dtype, norm_weight dtype, device) needs per call,
     resolved once. Each path's kernels are built on the path's first call (a call size uses two
-    or three of the six builds)."""
+    to four of the builds)."""
 
     def __init__(self, hidden: int, accumulate: bool, ids_dtype, norm_weight_dtype, device):
         import torch
@@ -402,6 +444,7 @@ class _Entry:
         self.arch = runtime.device_arch(device.index)
         self.ids = runtime.cute_dtype(ids_dtype)
         self.index = id_radix.Workspace(device)
+        self.record = errors.record(device.index)
         # grad_norm_weight partials, two segment partials per range, the id status
         self.workspace = _Workspace(3 * self.max_ctas + 1, hidden, device)
 
@@ -424,12 +467,43 @@ class _Entry:
 
     @functools.cached_property
     def run_radix_sort(self):
-        return runtime.ffi_function(id_radix.build(self.ids, self.arch, mark_touched=not self.accumulate))
+        return runtime.ffi_function(id_radix.build(self.ids, self.arch))
 
-    @functools.cached_property
-    def run_zeroing_untouched(self):
-        """Fresh tables on the radix path: the row kernel zeroes the untouched rows itself."""
-        return runtime.ffi_function(_build(self.hidden, False, self.norm_weight, self.arch, touched=True))
+    def sort(self, ids, vocab_size):
+        """(sorted ids int32, order int64) of ids above SORT_ON_CHIP_MAX_TOKENS, with the
+        verdict on the first sorted id (-1: an id outside [0, vocab_size)) and bad ids'
+        range in the error record; no host synchronization on any path."""
+        import torch
+
+        tokens = ids.numel()
+        if tokens <= id_radix.MAX_TOKENS and vocab_size <= id_radix.MAX_VOCAB:
+            # Our radix sort: three kernels in one call (id_radix).
+            index = self.index.get()
+            sorted_ids, order = index.sorted_ids[:tokens], index.order[:tokens]
+            self.run_radix_sort(ids, index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order,
+                                self.record, vocab_size)
+            return sorted_ids, order
+        if vocab_size <= KEYS_MAX_VOCAB:
+            # One pass for the ids' ranges and int16 keys (two radix passes of PyTorch's sort
+            # instead of int32's four); WidenKeys widens them and rules on the ranges.
+            ranges = self.index.get().ranges[:RangeAndKeys.CTAS]
+            keys = ids.new_empty(tokens, dtype=torch.int16)
+            self.run_range_and_keys(ids, keys, ranges)
+            sorted_keys, order = torch.sort(keys, stable=True)
+            sorted_ids = ids.new_empty(tokens, dtype=torch.int32)
+            self.run_widen_keys(sorted_keys, ranges, sorted_ids, self.record, vocab_size, WidenKeys.ctas(tokens))
+            return sorted_ids, order
+        # Larger vocabularies: PyTorch's operations throughout (a dozen launches, no waiting).
+        smallest, largest = torch.aminmax(ids)
+        bad = (smallest < 0) | (largest >= vocab_size)
+        # Every id -1 when any is bad: the kernels see the verdict on the first sorted id.
+        sorted_ids, order = torch.sort(torch.where(bad, -1, ids).to(torch.int32), stable=True)
+        found = torch.stack([smallest, largest, torch.full_like(smallest, vocab_size)])
+        first = bad & (self.record[0] == 0)  # the first error sticks
+        self.record[1:].copy_(torch.where(first, found, self.record[1:]))
+        # The code after the range, in a later kernel: the host never reads a code without it.
+        self.record[:1].copy_(torch.where(first, errors.EMBEDDING, self.record[:1]))
+        return sorted_ids, order
 
 
 class _Workspace(runtime.StreamWorkspace):
@@ -443,31 +517,23 @@ class _Workspace(runtime.StreamWorkspace):
         return buffer, buffer[-1, 0], torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device)
 
 
-def _id_range(ids):
-    import torch
-
-    return torch.stack(torch.aminmax(ids)).tolist()
-
-
-def _raise_if_out_of_range(smallest, largest, vocab_size):
-    if smallest < 0 or largest >= vocab_size:
-        raise ValueError(f"input_ids: every id must lie in [0, {vocab_size}), got ids from {smallest} to {largest}"
-                         " (nothing was written)")
-
-
-def _raise_if_out_of_cta_ranges(index, count, vocab_size):
-    """Waits for the index pass's `count` id ranges (RangeAndKeys's per CTA, the radix sort's
-    per chunk) to reach pinned memory, then checks them."""
-    index.ranges_ready.synchronize()
-    lows, highs = zip(*index.host_ranges[:count].tolist())
-    _raise_if_out_of_range(min(lows), max(highs), vocab_size)
-
-
 _entries: dict = {}
+CHECK_IDS = ("deferred", "now")
+# Walking CTAs take at least TOKENS_PER_CTA sorted positions each: fewer, fuller CTAs make the
+# fix-up's grid and the weight partials smaller (accumulate at 1024 tokens: 24.1 us a call
+# against 27.3 with one position a CTA, H200).
+TOKENS_PER_CTA = 8
+
+
+def _split(tokens: int, max_ctas: int, accumulate: bool):
+    """(walking CTAs, grid) of a call (EmbeddingRmsNormBackward.kernel): a fresh table is
+    filled by max_ctas CTAs whatever the token count."""
+    walkers = min(-(-tokens // TOKENS_PER_CTA), max_ctas)
+    return walkers, walkers if accumulate else max_ctas
 
 
 def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm_weight, *, vocab_size=65536,
-                               out=None, accumulate=False):
+                               out=None, accumulate=False, check_ids="deferred"):
     """The embedding + RMSNorm backward: -> (grad_embed_weight [vocab_size, H] bf16,
     grad_norm_weight [H]), as semantics.md says; grad_norm_weight is bf16 for a bf16 norm_weight
     (the contract's), fp32 for an fp32 one.
@@ -477,21 +543,27 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
     them flat: ids whose [b, s] view is not one flat run are copied first, T ids, one small
     PyTorch copy); rstd fp32 [b, s, 1]; norm_weight bf16 or fp32 [H]; H a multiple of 8 up to
     16384. grad_norm_weight is summed in fp32 and rounded once to norm_weight's dtype.
-    - Without `out`: the table is allocated and zero-filled (a memset), then the touched
-      rows are written; on the radix path (below) the row kernel writes every row once
-      instead: the touched rows their sums, the others zeros.
-    - `out=(grad_embed_weight, grad_norm_weight)`: written in place, grad_norm_weight in
-      norm_weight's dtype; the table is zero-filled the same way unless `accumulate=True`,
-      which adds this step's rows into it, reading and writing only the touched rows.
+    - Without `out` the table is allocated; with `out=(grad_embed_weight, grad_norm_weight)`
+      the caller's tensors are written, grad_norm_weight in norm_weight's dtype. Either way the
+      row kernel writes a fresh table whole, each row once: the touched rows their sums, the
+      others zeros (no fill beforehand).
+    - `accumulate=True` (with `out`) adds this step's rows into the table, reading and writing
+      only the touched rows.
     Repeated ids are summed in fp32 in token order and each touched row is rounded to bf16
-    once: bitwise repeatable. Ids outside [0, vocab_size) raise ValueError and nothing is
-    written.
+    once: bitwise repeatable.
+
+    Ids outside [0, vocab_size) are caught on the device before anything is written; then the
+    call writes nothing into outputs passed to it (an accumulated table survives) and fills
+    outputs it allocated with NaN.
+    - check_ids="deferred" (the default): no host synchronization. The error goes to the
+      device's error record, and the next cutebwd call on the device (made once the GPU has
+      run this one) raises ValueError with the ids' range; `cutebwd.check_errors()`
+      synchronizes and raises it on demand. CUDA-graph capturable; the CUDA context survives.
+    - check_ids="now": the call synchronizes its stream and raises before it returns.
 
     The index pass: up to SORT_ON_CHIP_MAX_TOKENS tokens (vocabularies up to
     SORT_ON_CHIP_MAX_VOCAB) in the row kernel; above, up to id_radix.MAX_TOKENS (vocabularies
-    up to 65536), our radix sort; otherwise PyTorch's stable sort. The id check makes the host
-    wait once a call, after the launches are queued: for the kernels' verdict where the ids are
-    sorted on chip, for the ids' range from the index pass above (module docstring).
+    up to 65536), our radix sort; otherwise PyTorch's stable sort (_Entry.sort).
     """
     import torch
 
@@ -508,18 +580,13 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
         key = (hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype, device.index)
         entry = _entries.setdefault(key, _Entry(hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype,
                                                 device))
+    errors.raise_pending(key[-1])
+    if check_ids not in CHECK_IDS:
+        raise ValueError(f"check_ids: expected one of {CHECK_IDS}, got {check_ids!r}")
     tokens = batch * seq
-    on_chip = tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB
-    # Above the on-chip sort our radix sort, not PyTorch's: 2048 tokens took 115 us a call with
-    # PyTorch's sort and the kernels' verdict, 4096 tokens 76 with the radix sort (H200).
-    radix = not on_chip and tokens <= id_radix.MAX_TOKENS and vocab_size <= id_radix.MAX_VOCAB
-    # A fresh table is zero-filled up front (a memset), except on the radix path: there the row
-    # kernel zeroes the rows no token touches, so no row is written twice.
-    zeroes_untouched = radix and not accumulate
-    zero_fill = out is not None and not accumulate and not zeroes_untouched  # the caller's table
-    if out is None:
-        table = torch.empty((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device)
-        out = (table if zeroes_untouched else runtime.zero_fill(table),
+    own = out is None  # bad ids fill the call's own outputs with NaN, and leave a caller's alone
+    if own:
+        out = (torch.empty((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device),
                torch.empty(hidden, dtype=norm_weight.dtype, device=entry.device))
     elif not (accumulate and type(out) is tuple and len(out) == 2 and isinstance(out[0], torch.Tensor)
               and out[0].shape[:1] == (vocab_size,)):
@@ -535,87 +602,35 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
             table.zero_()
         grad_norm_weight.zero_()
         return out
-    ids = input_ids.reshape(tokens)
-    range_after = False  # the host reads the ids' range from pinned memory after the launches
-    workspace, status, sorted_on_chip = entry.workspace.get()
-    if on_chip:
-        if zero_fill:  # the fill must not run for bad ids: here the host waits before it
-            _raise_if_out_of_range(*_id_range(ids), vocab_size)
-    elif radix:
-        # The native index pass (id_radix): three kernels in one call, the verdict on the
-        # first sorted id, the chunks' ranges to pinned memory for the host's check (and, for
-        # a fresh table, the bitmap of the ids present).
-        index = entry.index.get()
-        sorted_ids, order = index.sorted_ids[:tokens], index.order[:tokens]
-        entry.run_radix_sort(ids, index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order,
-                             index.touched, vocab_size)
-        range_count = id_radix.chunks(tokens)
-        # The ranges go to the host on a side stream, so no copy sits between the sort and the
-        # row kernel on the call's stream: the row kernel launches as the sort's dependent.
-        index.sorted_done.record()
-        with torch.cuda.stream(index.aside):
-            index.aside.wait_event(index.sorted_done)
-            index.host_ranges[:range_count].copy_(index.ranges[:range_count], non_blocking=True)
-            index.ranges_ready.record()
-        range_after = True  # no fill waits for it: a fresh table's zeros come from the row kernel
-    elif vocab_size <= KEYS_MAX_VOCAB:
-        # One kernel reads the ids once for their range (per CTA) and int16 sort keys (two
-        # radix passes instead of int32's four); the ranges go to pinned memory. The widened
-        # sorted ids carry the ranges' verdict (WidenKeys), so the kernels write nothing for
-        # bad ids and the host waits for the ranges only after queueing every launch: the GPU
-        # never waits for the host. A zero-fill of the caller's table must not run for bad
-        # ids: there the host waits before it.
-        index = entry.index.get()
-        range_count = RangeAndKeys.CTAS
-        ranges = index.ranges[:range_count]
-        keys = ids.new_empty(tokens, dtype=torch.int16)
-        entry.run_range_and_keys(ids, keys, ranges)
-        index.host_ranges[:range_count].copy_(ranges, non_blocking=True)
-        index.ranges_ready.record()
-        sorted_keys, order = torch.sort(keys, stable=True)
-        sorted_ids = ids.new_empty(tokens, dtype=torch.int32)
-        entry.run_widen_keys(sorted_keys, ranges, sorted_ids, vocab_size, WidenKeys.ctas(tokens))
-        range_after = not zero_fill
-        if zero_fill:
-            _raise_if_out_of_cta_ranges(index, range_count, vocab_size)
-    else:
-        index = entry.index.get()
-        index.host_ranges[0].copy_(torch.stack(torch.aminmax(ids)), non_blocking=True)
-        index.ranges_ready.record()
-        sorted_ids, order = torch.sort(ids.to(torch.int32), stable=True)  # exact once the range passes
-        _raise_if_out_of_cta_ranges(index, 1, vocab_size)
-    if zero_fill:
-        runtime.zero_fill(table)
+    workspace, _, sorted_on_chip = entry.workspace.get()
+    ctas, grid = _split(tokens, entry.max_ctas, accumulate)
+    poison = int(own)
     try:
-        if on_chip:
-            entry.run_sort_on_chip(grad_output, hidden_states, rstd, norm_weight, ids, sorted_on_chip, table,
-                                   grad_norm_weight, workspace, min(tokens, entry.max_ctas))
-        elif zeroes_untouched:
-            entry.run_zeroing_untouched(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order,
-                                        index.touched, table, grad_norm_weight, workspace,
-                                        min(tokens, entry.max_ctas))
+        if tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB:
+            if not input_ids.is_contiguous():  # the kernel reads the [b, s] ids flat
+                input_ids = input_ids.contiguous()
+            entry.run_sort_on_chip(grad_output, hidden_states, rstd, norm_weight, input_ids, sorted_on_chip,
+                                   entry.record, table, grad_norm_weight, workspace, ctas, grid, poison)
         else:
+            sorted_ids, order = entry.sort(input_ids.reshape(tokens), vocab_size)
             entry.run(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
-                      workspace, min(tokens, entry.max_ctas))
+                      workspace, ctas, grid, poison)
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)
         _check_out(out, hidden_states, norm_weight, vocab_size)
         raise
-    if range_after:
-        _raise_if_out_of_cta_ranges(index, range_count, vocab_size)
-    # The kernels' verdict, unless the host already checked the range before the fill.
-    if on_chip and not zero_fill and status.item():  # an id out of range: nothing written
-        _raise_if_out_of_range(*_id_range(ids), vocab_size)
+    if check_ids == "now":
+        torch.cuda.current_stream(entry.device).synchronize()
+        errors.raise_pending(key[-1])
     return out
 
 
 # The benchmark's calls (bf16 norm_weight, a fresh table: ids sorted on chip up to
-# SORT_ON_CHIP_MAX_TOKENS tokens, the radix path's zeroing build above), the other paths with a
-# bf16 norm_weight, and an fp32 norm_weight (fp32 grad_norm_weight).
+# SORT_ON_CHIP_MAX_TOKENS tokens, sorted beforehand above), accumulation both ways, and an fp32
+# norm_weight (fp32 grad_norm_weight).
 _AUDITED = {  # name: (norm_weight dtype, accumulate, other build options)
     "norm_weight bf16,fresh,ids sorted on chip": (BFloat16, False, {"ids_dtype": Int64}),
-    "norm_weight bf16,fresh,zeroes untouched rows": (BFloat16, False, {"touched": True}),
     "norm_weight bf16,fresh": (BFloat16, False, {}),
     "norm_weight bf16,accumulate": (BFloat16, True, {}),
     "norm_weight bf16,accumulate,ids sorted on chip": (BFloat16, True, {"ids_dtype": Int64}),

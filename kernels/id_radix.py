@@ -5,15 +5,16 @@ two onesweep passes) and the widening: 24 us less a call at 32K tokens on the H2
 (docs/design-embedding.md).
 
 The ids are cut into chunks of CHUNK tokens, one CTA each, in every kernel:
-1. `counts`: per chunk, the smallest and largest id (for the host's check and the verdict
-   below) and how many ids have each low digit; it also zeroes the chunk's high-digit counts.
+1. `counts`: per chunk, the smallest and largest id (for the verdict below) and how many ids
+   have each low digit; it also zeroes the chunk's high-digit counts.
 2. `low pass`: each CTA ranks its chunk's ids by low digit, stably, and writes (key, token) to
    position = the digit's start over all chunks + the earlier chunks' count of it + the rank.
    As it writes, it counts high digits per destination chunk (integer atomics: counts, the
    same whatever their order).
 3. `high pass` over that output: the sorted ids (int32) and their tokens (int64, the order),
    bitwise what a stable sort gives. The thread that writes position 0 writes -1 there when a
-   chunk's range leaves [0, vocab), so every later kernel refuses the call and writes nothing.
+   chunk's range leaves [0, vocab), so every later kernel refuses the call and writes nothing,
+   and CTA 0 records the ids' range in the device's error record (errors.py).
 
 Ranking within a chunk: each warp takes 128 consecutive tokens in four rounds of 32 lanes;
 match.any finds the lanes of a round with the same digit, a per-warp count per digit in
@@ -30,7 +31,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from . import runtime
+from . import errors, runtime
 
 CHUNK = 1024
 THREADS = 256  # one digit a thread where digits are handled one by one
@@ -42,7 +43,6 @@ NO_DIGIT = DIGITS  # a lane past the last token: matches no digit
 MAX_CHUNKS = 128  # each CTA reads every chunk's count of its digit
 MAX_TOKENS = CHUNK * MAX_CHUNKS
 MAX_VOCAB = 1 << (2 * DIGIT_BITS)
-TOUCHED_WORDS = MAX_VOCAB // 32  # the bitmap of ids present, one bit an id
 
 
 def chunks(tokens: int) -> int:
@@ -148,41 +148,53 @@ def _chunk_keys(m_source, tokens, chunk, tidx, high_digit: cutlass.Constexpr):
     return keys, digits
 
 
+@cute.jit
+def record_bad_ids(m_record: cute.Tensor, smallest, largest, vocab):
+    """Writes the ids' range and the vocabulary into the device's error record (errors.py),
+    the op code last, so the host never reads a code without its range."""
+    m_record[1] = Int64(smallest)
+    m_record[2] = Int64(largest)
+    m_record[3] = Int64(vocab)
+    cute.arch.fence_acq_rel_sys()
+    m_record[0] = Int64(errors.EMBEDDING)
+
+
+@cute.jit
+def report_bad_ids(m_record: cute.Tensor, m_ranges: cute.Tensor, count, vocab):
+    """Records the range over `count` [smallest, largest] ranges, unless the record holds an
+    error already (the first one sticks). One thread, on the error path only."""
+    if m_record[0] == 0:
+        smallest, largest = m_ranges[0, 0], m_ranges[0, 1]
+        for c in cutlass.range(1, count):
+            smallest = cutlass.min(smallest, m_ranges[c, 0])
+            largest = cutlass.max(largest, m_ranges[c, 1])
+        record_bad_ids(m_record, smallest, largest, vocab)
+
+
 class IdRadixSort:
     """ids [T] (int64 or int32) -> sorted ids [T] int32 and order [T] int64, with per-chunk
-    ranges [MAX_CHUNKS, 2] int64 for the host. Workspace: counts [2 MAX_CHUNKS, DIGITS] int32
-    (low digits per input chunk, then high digits per low-pass output chunk), keys and tokens
-    [MAX_TOKENS] int32 between the passes.
-
-    With `mark_touched`, also `touched` [TOUCHED_WORDS] int32: bit k set when id k occurs (key
-    k, so exact once the range check passes). The counts pass zeroes it and the low pass sets
-    the bits, one integer atomic OR per distinct id in each warp's round: an order-free result.
-    The embedding backward's fresh tables use it to zero only the rows no token touches."""
-
-    def __init__(self, mark_touched: bool = False):
-        self.mark_touched = mark_touched
+    ranges [MAX_CHUNKS, 2] int64 (the verdict's) and the device's error record [4] int64 for
+    bad ids. Workspace: counts [2 MAX_CHUNKS, DIGITS] int32 (low digits per input chunk, then
+    high digits per low-pass output chunk), keys and tokens [MAX_TOKENS] int32 between the
+    passes."""
 
     @cute.jit
     def __call__(self, ids: cute.Tensor, counts: cute.Tensor, ranges: cute.Tensor, keys: cute.Tensor,
-                 tokens: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, touched: cute.Tensor,
+                 tokens: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, record: cute.Tensor,
                  vocab: Int32, stream: cuda.CUstream):
         # The passes are programmatic dependents: launched while the kernel before runs, they
         # wait on griddepcontrol before reading what it wrote (one launch latency saved each).
         grid = [cute.ceil_div(cute.size(ids), CHUNK), 1, 1]
-        self.counts(ids, counts, ranges, touched).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
-        self.low_pass(ids, counts, keys, tokens, touched).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
-                                                                 use_pdl=True)
-        self.high_pass(keys, tokens, counts, ranges, sorted_ids, order, vocab).launch(
+        self.counts(ids, counts, ranges).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.low_pass(ids, counts, keys, tokens).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
+                                                        use_pdl=True)
+        self.high_pass(keys, tokens, counts, ranges, sorted_ids, order, record, vocab).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def counts(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor, m_touched: cute.Tensor):
+    def counts(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, _, _ = cute.arch.block_idx()
-        chunk_count, _, _ = cute.arch.grid_dim()
-        if cutlass.const_expr(self.mark_touched):
-            for word in cutlass.range(chunk * THREADS + tidx, TOUCHED_WORDS, chunk_count * THREADS):
-                m_touched[word] = Int32(0)  # the low pass sets bits once this grid completes
         cute.arch.griddepcontrol_launch_dependents()  # the low pass may launch; it waits for this grid
         smem = cutlass.memory.SmemAllocator()
         histogram = smem.allocate_tensor(Int32, cute.make_layout((DIGITS,)), byte_alignment=16)
@@ -204,8 +216,7 @@ class IdRadixSort:
             m_ranges[chunk, 1] = largest
 
     @cute.kernel
-    def low_pass(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_keys: cute.Tensor, m_tokens: cute.Tensor,
-                 m_touched: cute.Tensor):
+    def low_pass(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_keys: cute.Tensor, m_tokens: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, _, _ = cute.arch.block_idx()
         chunk_count, _, _ = cute.arch.grid_dim()
@@ -214,14 +225,6 @@ class IdRadixSort:
         keys, digits = _chunk_keys(m_ids, cute.size(m_ids), chunk, tidx, False)  # the ids: an input
         cute.arch.griddepcontrol_wait()  # the counts are complete past this point
         positions = _positions(smem, digits, m_counts, 0, chunk, chunk_count, tidx)
-        if cutlass.const_expr(self.mark_touched):
-            for r in cutlass.range_constexpr(ROUNDS):
-                key = Int32(-1)  # past the last token: matches only its like and marks nothing
-                if digits[r] != NO_DIGIT:
-                    key = keys[r]
-                peers = cute.arch.match_sync(0xFFFFFFFF, key)
-                if key >= 0 and (peers & cute.arch.lanemask_gt()) == 0:  # the last lane with this id
-                    cute.arch.atomic_or(m_touched.iterator + (key >> 5), Int32(1) << (key & 31))
         for r in cutlass.range_constexpr(ROUNDS):
             if digits[r] != NO_DIGIT:
                 p = positions[r]
@@ -232,7 +235,7 @@ class IdRadixSort:
 
     @cute.kernel
     def high_pass(self, m_keys: cute.Tensor, m_tokens: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor,
-                  m_sorted: cute.Tensor, m_order: cute.Tensor, vocab: Int32):
+                  m_sorted: cute.Tensor, m_order: cute.Tensor, m_record: cute.Tensor, vocab: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, _, _ = cute.arch.block_idx()
         chunk_count, _, _ = cute.arch.grid_dim()
@@ -251,6 +254,8 @@ class IdRadixSort:
                 bad[0] = Int32(1)
         # _positions's barriers order `bad` for the reads below.
         positions = _positions(smem, digits, m_counts, MAX_CHUNKS, chunk, chunk_count, tidx)
+        if chunk == 0 and tidx == 0 and bad[0] == 1:
+            report_bad_ids(m_record, m_ranges, chunk_count, vocab)
         for r in cutlass.range_constexpr(ROUNDS):
             if digits[r] != NO_DIGIT:
                 p = positions[r]
@@ -261,35 +266,29 @@ class IdRadixSort:
                 m_order[p] = Int64(m_tokens[_token(chunk, tidx, r)])
 
 
-def build(ids_dtype, arch: str, dump_dir=None, mark_touched: bool = False):
+def build(ids_dtype, arch: str, dump_dir=None):
     """IdRadixSort for int64 or int32 ids (Int64 / Int32), called with torch tensors."""
     tokens = cute.sym_int32()
     return runtime.compile_kernel(
-        ("087 id radix sort", str(ids_dtype), mark_touched), IdRadixSort(mark_touched),
+        ("id radix sort", str(ids_dtype)), IdRadixSort(),
         runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8),
         runtime.fake_tensor(Int32, (2 * MAX_CHUNKS, DIGITS), (DIGITS, 1), 16),
         runtime.fake_tensor(Int64, (MAX_CHUNKS, 2), (2, 1), 16),
         runtime.fake_tensor(Int32, (MAX_TOKENS,), (1,), 16), runtime.fake_tensor(Int32, (MAX_TOKENS,), (1,), 16),
         runtime.fake_tensor(Int32, (tokens,), (1,), 4), runtime.fake_tensor(Int64, (tokens,), (1,), 8),
-        runtime.fake_tensor(Int32, (TOUCHED_WORDS,), (1,), 16), Int32(1), runtime.env_stream(), arch=arch,
+        runtime.fake_tensor(Int64, (errors.WORDS,), (1,), 8), Int32(1), runtime.env_stream(), arch=arch,
         dump_dir=dump_dir, tvm_ffi=True)
 
 
 @dataclasses.dataclass
 class IndexBuffers:
-    """One stream's buffers for the embedding backward's index passes that report id ranges to
-    the host."""
+    """One stream's buffers for the embedding backward's index passes."""
     counts: object  # [2 MAX_CHUNKS, DIGITS] int32
-    ranges: object  # [MAX_CHUNKS, 2] int64 on the device: per chunk (radix) or per CTA (RangeAndKeys)
-    host_ranges: object  # the same in pinned memory, for the host's check
-    ranges_ready: object  # an event: host_ranges has arrived
+    ranges: object  # [MAX_CHUNKS, 2] int64: per chunk (radix) or per CTA (RangeAndKeys)
     keys: object  # [MAX_TOKENS] int32, between the passes
     tokens: object  # [MAX_TOKENS] int32, between the passes
     sorted_ids: object  # [MAX_TOKENS] int32 (the row kernel reads a view)
     order: object  # [MAX_TOKENS] int64 (the row kernel reads a view)
-    touched: object  # [TOUCHED_WORDS] int32, the ids present
-    aside: object  # a side stream for the ranges' copy to the host
-    sorted_done: object  # an event: the sort has finished (the copy waits for it)
 
 
 class Workspace(runtime.PerStream):
@@ -301,18 +300,11 @@ class Workspace(runtime.PerStream):
         def ints(*shape, dtype=torch.int32):
             return torch.empty(shape, dtype=dtype, device=self.device)
 
-        return IndexBuffers(
-            counts=ints(2 * MAX_CHUNKS, DIGITS), ranges=ints(MAX_CHUNKS, 2, dtype=torch.int64),
-            host_ranges=torch.empty(MAX_CHUNKS, 2, dtype=torch.int64, pin_memory=True), ranges_ready=torch.cuda.Event(),
-            keys=ints(MAX_TOKENS), tokens=ints(MAX_TOKENS), sorted_ids=ints(MAX_TOKENS),
-            order=ints(MAX_TOKENS, dtype=torch.int64), touched=ints(TOUCHED_WORDS),
-            aside=torch.cuda.Stream(self.device),
-            sorted_done=torch.cuda.Event())
+        return IndexBuffers(counts=ints(2 * MAX_CHUNKS, DIGITS), ranges=ints(MAX_CHUNKS, 2, dtype=torch.int64),
+                            keys=ints(MAX_TOKENS), tokens=ints(MAX_TOKENS), sorted_ids=ints(MAX_TOKENS),
+                            order=ints(MAX_TOKENS, dtype=torch.int64))
 
 
-AUDIT_BUILDS = {"embedding_rmsnorm_backward ids radix sort": lambda arch, dump_dir: build(Int64, arch, dump_dir),
-                "embedding_rmsnorm_backward ids radix sort, touched ids":
-                    lambda arch, dump_dir: build(Int64, arch, dump_dir, mark_touched=True)}
-# 8-byte id loads, 8-byte order stores, the warp match; integer atomics for counts and the
-# touched-id bitmap only.
+AUDIT_BUILDS = {"embedding_rmsnorm_backward ids radix sort": lambda arch, dump_dir: build(Int64, arch, dump_dir)}
+# 8-byte id loads, 8-byte order stores, the warp match; integer atomics for the digit counts only.
 AUDIT_EXPECTS = {arch: {"require": ["LDG.64", "STG.64"], "forbid": ["LOCAL"]} for arch in runtime.ARCHES}

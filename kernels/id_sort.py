@@ -17,8 +17,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int16, Int32, Int64
 
-from . import runtime
-from .id_radix import THREADS as RADIX_THREADS, block_range
+from . import errors, runtime
+from .id_radix import THREADS as RADIX_THREADS, block_range, record_bad_ids, report_bad_ids
 
 TOKEN_BITS = 10
 MAX_TOKENS = 1 << TOKEN_BITS
@@ -87,6 +87,18 @@ def sort_ids(smem, m_ids: cute.Tensor, vocab, m_publish: cute.Tensor, publish, t
             cute.make_tensor(order.iterator, cute.make_layout(tokens)))
 
 
+@cute.jit
+def report_bad_raw_ids(m_record: cute.Tensor, m_ids: cute.Tensor, vocab):
+    """report_bad_ids for raw ids (the on-chip path has no ranges): one thread reads them all,
+    on the error path only."""
+    if m_record[0] == 0:
+        smallest, largest = Int64(m_ids[0]), Int64(m_ids[0])
+        for i in cutlass.range(1, cute.size(m_ids)):
+            smallest = cutlass.min(smallest, Int64(m_ids[i]))
+            largest = cutlass.max(largest, Int64(m_ids[i]))
+        record_bad_ids(m_record, smallest, largest, vocab)
+
+
 # Int16 keys: id - KEY_SHIFT, exact for vocabularies of up to 2^16 ids.
 KEY_SHIFT = 2**15
 KEYS_MAX_VOCAB = 2**16
@@ -96,7 +108,7 @@ class RangeAndKeys:
     """keys[i] = int16(ids[i] - KEY_SHIFT) and, per CTA, the smallest and largest id it read
     (ranges[c] = [smallest, largest], int64), in one pass over the ids: what aminmax, a
     subtraction and a cast did in three launches (~10 us of GPU time at 32K tokens, most of it
-    aminmax). The host adds up the CTAS ranges; keys are meaningful once those are in range.
+    aminmax). WidenKeys adds up the CTAS ranges; keys are meaningful once those are in range.
     """
 
     CTAS = 16
@@ -129,19 +141,20 @@ class WidenKeys:
     """sorted_ids[i] = int32(sorted_keys[i]) + KEY_SHIFT once PyTorch has sorted RangeAndKeys's
     keys, and the ranges' verdict for the kernels that read the sorted ids: with any id outside
     [0, vocab), sorted_ids[0] = -1, which their check of the sorted ends refuses, so they write
-    nothing. The host can then queue every launch before it waits for the ranges (waiting
-    first left the GPU idle ~25 us a call at 32K tokens, in a profile on the H200)."""
+    nothing, and the ids' range goes to the device's error record (errors.py): the host never
+    waits for the check."""
 
     THREADS = 256
 
     @cute.jit
-    def __call__(self, sorted_keys: cute.Tensor, ranges: cute.Tensor, sorted_ids: cute.Tensor, vocab: Int32,
-                 ctas: Int32, stream: cuda.CUstream):
-        self.kernel(sorted_keys, ranges, sorted_ids, vocab).launch(grid=[ctas, 1, 1], block=[self.THREADS, 1, 1],
-                                                                   stream=stream)
+    def __call__(self, sorted_keys: cute.Tensor, ranges: cute.Tensor, sorted_ids: cute.Tensor,
+                 record: cute.Tensor, vocab: Int32, ctas: Int32, stream: cuda.CUstream):
+        self.kernel(sorted_keys, ranges, sorted_ids, record, vocab).launch(
+            grid=[ctas, 1, 1], block=[self.THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, m_keys: cute.Tensor, m_ranges: cute.Tensor, m_sorted: cute.Tensor, vocab: Int32):
+    def kernel(self, m_keys: cute.Tensor, m_ranges: cute.Tensor, m_sorted: cute.Tensor, m_record: cute.Tensor,
+               vocab: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
@@ -154,6 +167,7 @@ class WidenKeys:
                     in_range = Int32(0)
             if in_range == 0:
                 m_sorted[0] = Int32(-1)
+                report_bad_ids(m_record, m_ranges, RangeAndKeys.CTAS, vocab)
 
     @staticmethod
     def ctas(tokens: int) -> int:
@@ -164,10 +178,11 @@ class WidenKeys:
 def build_widen_keys(arch: str, dump_dir=None):
     tokens = cute.sym_int32()
     return runtime.compile_kernel(
-        ("087 widen keys",), WidenKeys(),
+        ("widen keys",), WidenKeys(),
         runtime.fake_tensor(Int16, (tokens,), (1,), 2),
         runtime.fake_tensor(Int64, (RangeAndKeys.CTAS, 2), (2, 1), 16),
-        runtime.fake_tensor(Int32, (tokens,), (1,), 4), Int32(1), Int32(1), runtime.env_stream(),
+        runtime.fake_tensor(Int32, (tokens,), (1,), 4), runtime.fake_tensor(Int64, (errors.WORDS,), (1,), 8),
+        Int32(1), Int32(1), runtime.env_stream(),
         arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
@@ -175,7 +190,7 @@ def build_range_and_keys(ids_dtype, arch: str, dump_dir=None):
     """RangeAndKeys for int64 or int32 ids (Int64 / Int32), called with torch tensors."""
     tokens = cute.sym_int32()
     return runtime.compile_kernel(
-        ("087 range and keys", str(ids_dtype)), RangeAndKeys(),
+        ("range and keys", str(ids_dtype)), RangeAndKeys(),
         runtime.fake_tensor(ids_dtype, (tokens,), (1,), ids_dtype.width // 8),
         runtime.fake_tensor(Int16, (tokens,), (1,), 2),
         runtime.fake_tensor(Int64, (RangeAndKeys.CTAS, 2), (2, 1), 16), runtime.env_stream(),
@@ -186,7 +201,7 @@ AUDIT_BUILDS = {"embedding_rmsnorm_backward ids range and int16 keys": lambda ar
                 build_range_and_keys(Int64, arch, dump_dir),
                 "embedding_rmsnorm_backward sorted keys widened": build_widen_keys}
 # One 8-byte load and one 2-byte store an id (widening: a 2-byte load and a 4-byte store); no
-# atomics (the host adds up the CTAs' ranges).
+# atomics (WidenKeys adds up the CTAs' ranges).
 AUDIT_EXPECTS = {arch: {"require": ["LDG.64", "STG.16"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}
 AUDIT_EXPECTS_BY_BUILD = {"embedding_rmsnorm_backward sorted keys widened": {
     arch: {"require": ["LDG.16", "STG.32"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}}

@@ -39,7 +39,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import GemmTiling, default_tiling
 from ..layouts.gpus import GPUS, Gpu
-from . import runtime
+from . import errors, runtime
 from .epilogue import STORE
 from .gemm import _ARCH_MODULES, BARRIER_WORDS, NO_EPILOGUE_TENSORS, _Call, _device_gpu
 from .gemm_grouped import stacked_k, stacked_rows
@@ -457,6 +457,7 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
         plan = _plans[hidden_states.shape, grad_query.shape[1], grad_query.shape[3], hidden_states.get_device()]
     except (AttributeError, IndexError, TypeError, KeyError):
         plan = _new_plan(inputs)  # a new shape or device: full checks first
+    errors.raise_pending(plan.entry.device.index)
     if not (type(out) is tuple and len(out) == 6):
         out = _outputs(out, hidden_states, q_weight, k_weight, v_weight, plan.entry.head_dim,
                        plan.entry.norm_grad_like)

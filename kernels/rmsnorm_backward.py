@@ -40,7 +40,7 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass import BFloat16, Float32, Int32
 
-from . import runtime
+from . import errors, runtime
 from .column_sum import ColumnSum
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
                    load_remote_vector, read_row, ring_stages, row_sum, rows_view, thread_split, vector, wide_copy)
@@ -504,6 +504,7 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
         device = grad_output.device
         entry = _entries.setdefault((hidden, normalized is None, device.index),
                                     _Entry(hidden, normalized is not None, device))
+    errors.raise_pending(entry.device.index)
     rows = batch * seq
     if out is None:
         # new_empty takes dtype and device from its tensor (both checked by the FFI call): measured

@@ -15,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from . import runtime
+from . import errors, runtime
 from .checks import check_same_device, check_tensor
 
 VECTOR_BITS = 128
@@ -91,6 +91,7 @@ def rms_rstd(x, eps: float = 1e-6, *, out=None):
     else:
         check_tensor("out", out, dtypes=torch.float32, shape=tuple(x.shape[:-1]), align=4)
         check_same_device(x=x, out=out)
+    errors.raise_pending(x.get_device())
     if rows == 0:
         return out
     dtype = runtime.cute_dtype(x.dtype)

@@ -1,6 +1,8 @@
 """L1/087 kernel: argument errors on any machine; parity, duplicates, accumulate and determinism on the GPU."""
 import pytest
 import torch
+
+import cutebwd
 from cutlass import Int32, Int64
 
 from cutebwd import embedding_rmsnorm_backward as kernel
@@ -78,17 +80,6 @@ def test_accumulate_adds_into_the_table(same_ids):
 
 
 @pytest.mark.gpu
-def test_fresh_table_zeroes_every_row_no_token_touches():
-    # The radix path without `out`: the table comes from torch.empty and the row kernel zeroes
-    # the untouched rows itself; a NaN block just freed (and likely handed out again) must not
-    # show through anywhere.
-    inputs = PROBLEM.make_inputs(2, 4096, device="cuda", seed=5)
-    torch.full((65536, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
-    got = kernel(*inputs)
-    assert_problem(PROBLEM, inputs, got, 2, 4096)
-
-
-@pytest.mark.gpu
 def test_bitwise_repeatable_with_heavy_duplication():
     dims = {"vocab": 64, "hidden": 4096}
     inputs = PROBLEM.make_inputs(8, 2048, device="cuda", seed=9, dims=dims)
@@ -98,20 +89,149 @@ def test_bitwise_repeatable_with_heavy_duplication():
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
+# One call per index pass: (batch, seq, vocabulary, hidden). Ids sorted on chip; our radix sort;
+# RangeAndKeys + PyTorch's int16 sort + WidenKeys; PyTorch's operations for vocabularies above
+# 65536.
+PATHS = {"on chip": (2, 64, 65536, 4096), "radix": (2, 1000, 65536, 4096),
+         "int16 keys": (1, id_radix.MAX_TOKENS + 1, 65536, 64), "large vocabulary": (2, 700, 70000, 256)}
+
+
+def _path_inputs(path, seed=2):
+    batch, seq, vocab, hidden = PATHS[path]
+    dims = {"vocab": vocab, "hidden": hidden}
+    return PROBLEM.make_inputs(batch, seq, device="cuda", seed=seed, dims=dims), vocab, hidden
+
+
+def _caller_outputs(vocab, hidden, value=3.0):
+    return (torch.full((vocab, hidden), value, dtype=torch.bfloat16, device="cuda"),
+            torch.full((hidden,), value, dtype=torch.bfloat16, device="cuda"))
+
+
 @pytest.mark.gpu
-# 2 x seq tokens: the kernels' verdict (ids sorted on chip); the radix sort's ranges
-@pytest.mark.parametrize("seq", [64, SORT_ON_CHIP_MAX_TOKENS // 2 + 8])
-def test_out_of_range_ids_raise_and_write_nothing(seq):
-    go, ids, x, r, w = PROBLEM.make_inputs(2, seq, device="cuda", seed=2)
-    out = (torch.full((65536, 4096), 3.0, dtype=torch.bfloat16, device="cuda"),
-           torch.zeros(4096, dtype=torch.bfloat16, device="cuda"))
-    for bad in (65536, -1, 2**32 + 5):  # the last wraps to 5 in int32: the check must see the int64 id
-        ids[1, 7] = bad
-        with pytest.raises(ValueError, match=r"input_ids: every id must lie in \[0, 65536\)"):
-            kernel(go, ids, x, r, w, out=out, accumulate=True)
-        with pytest.raises(ValueError, match="nothing was written"):
-            kernel(go, ids, x, r, w, out=out)
-    assert bool((out[0] == 3.0).all()) and bool((out[1] == 0).all())
+@pytest.mark.parametrize("path", PATHS)
+def test_out_of_range_ids_are_reported_later_and_write_nothing(path):
+    (go, ids, x, r, w), vocab, hidden = _path_inputs(path)
+    out = _caller_outputs(vocab, hidden)
+    for bad in (vocab, -1, 2**32 + 5):  # the last wraps to 5 in int32: the check must see the int64 id
+        ids[-1, 7] = bad
+        low, high = min(int(ids.min()), bad), max(int(ids.max()), bad)
+        for accumulate in (True, False):
+            kernel(go, ids, x, r, w, vocab_size=vocab, out=out, accumulate=accumulate)  # returns: no waiting
+            with pytest.raises(ValueError, match=rf"input_ids from {low} to {high}, outside \[0, {vocab}\)"):
+                cutebwd.check_errors()
+            cutebwd.check_errors()  # reported once
+        own = kernel(go, ids, x, r, w, vocab_size=vocab)
+        torch.cuda.synchronize()
+        # the next call of any op raises, does nothing, and the one after works
+        with pytest.raises(ValueError, match="embedding_rmsnorm_backward: an earlier call"):
+            kernel(go, ids.clamp(0, vocab - 1), x, r, w, vocab_size=vocab, out=out)
+        assert bool(own[0].isnan().all()) and bool(own[1].isnan().all())  # the call's own: no plausible numbers
+    assert bool((out[0] == 3.0).all()) and bool((out[1] == 3.0).all())
+    ids[-1, 7] = 0
+    assert_problem(PROBLEM, (go, ids, x, r, w), kernel(go, ids, x, r, w, vocab_size=vocab), *ids.shape,
+                   dims={"vocab": vocab, "hidden": hidden})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["on chip", "radix"])
+def test_check_ids_now_raises_before_returning(path):
+    (go, ids, x, r, w), vocab, hidden = _path_inputs(path)
+    out = _caller_outputs(vocab, hidden)
+    ids[0, 3] = vocab + 7
+    with pytest.raises(ValueError, match=rf"input_ids from {int(ids.min())} to {vocab + 7}"):
+        kernel(go, ids, x, r, w, vocab_size=vocab, out=out, check_ids="now")
+    assert bool((out[0] == 3.0).all()) and bool((out[1] == 3.0).all())
+    with pytest.raises(ValueError, match="check_ids: expected one of"):
+        kernel(go, ids, x, r, w, vocab_size=vocab, out=out, check_ids="later")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_no_host_synchronization(path):
+    (go, ids, x, r, w), vocab, hidden = _path_inputs(path)
+    out = _caller_outputs(vocab, hidden)
+    kernel(go, ids, x, r, w, vocab_size=vocab, out=out, accumulate=True)  # builds and buffers first
+    kernel(go, ids, x, r, w, vocab_size=vocab, out=out)
+    kernel(go, ids, x, r, w, vocab_size=vocab)
+    bad_ids = ids.clone()
+    bad_ids[0, 0] = -3
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernel(go, ids, x, r, w, vocab_size=vocab, out=out, accumulate=True)
+        kernel(go, ids, x, r, w, vocab_size=vocab, out=out)
+        kernel(go, ids, x, r, w, vocab_size=vocab)
+        kernel(go, bad_ids, x, r, w, vocab_size=vocab, out=out)  # the bad-id path too
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="from -3"):
+        cutebwd.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["on chip", "radix", "large vocabulary"])
+def test_cuda_graph_replay_matches_eager_and_catches_bad_ids(path):
+    (go, ids, x, r, w), vocab, hidden = _path_inputs(path)
+    base = torch.randn(vocab, hidden, device="cuda").bfloat16()
+    fresh, accumulated = _caller_outputs(vocab, hidden, float("nan")), (base.clone(), w.clone())
+    want_fresh = kernel(go, ids, x, r, w, vocab_size=vocab)
+    want_accumulated = kernel(go, ids, x, r, w, vocab_size=vocab, out=(base.clone(), w.clone()), accumulate=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm: builds and per-stream buffers made outside the capture
+        kernel(go, ids, x, r, w, vocab_size=vocab, out=fresh)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(go, ids, x, r, w, vocab_size=vocab, out=fresh)
+        kernel(go, ids, x, r, w, vocab_size=vocab, out=accumulated, accumulate=True)
+    fresh[0].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(fresh[0], want_fresh[0]) and torch.equal(fresh[1], want_fresh[1])
+    assert torch.equal(accumulated[0], want_accumulated[0]) and torch.equal(accumulated[1], want_accumulated[1])
+    # a bad id in the graph's input: nothing written, the error reported
+    fresh[0].fill_(1.0)
+    before = accumulated[0].clone()
+    ids[0, 1] = vocab
+    graph.replay()
+    with pytest.raises(ValueError, match=rf"to {vocab}, outside"):
+        cutebwd.check_errors()
+    assert bool((fresh[0] == 1.0).all()) and torch.equal(accumulated[0], before)
+
+
+@pytest.mark.gpu
+def test_bad_ids_under_torch_compile():
+    import cutebwd.kernels.torch_ops  # noqa: F401  (registers torch.ops.cutebwd)
+
+    (go, ids, x, r, w), vocab, hidden = _path_inputs("on chip")
+    out = _caller_outputs(vocab, hidden)
+
+    @torch.compile(fullgraph=True)
+    def step(go, ids, x, r, w, table, grad_norm_weight):
+        torch.ops.cutebwd.embedding_rmsnorm_backward_accumulate(go, ids, x, r, w, table, grad_norm_weight)
+
+    step(go, ids, x, r, w, *out)
+    before = out[0].clone()
+    ids[1, 2] = -1
+    step(go, ids, x, r, w, *out)
+    with pytest.raises(ValueError, match="from -1"):
+        cutebwd.check_errors()
+    assert torch.equal(out[0], before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_fresh_table_written_whole_on_every_path(path):
+    # Every fresh table comes from the row kernel alone (no fill first): a caller's table
+    # full of NaN, and the call's own table from a NaN block just freed, must show none.
+    (go, ids, x, r, w), vocab, hidden = _path_inputs(path, seed=5)
+    dims = {"vocab": vocab, "hidden": hidden}
+    out = _caller_outputs(vocab, hidden, float("nan"))
+    kernel(go, ids, x, r, w, vocab_size=vocab, out=out)
+    assert_problem(PROBLEM, (go, ids, x, r, w), out, *ids.shape, dims=dims)
+    del out
+    torch.full((vocab, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert_problem(PROBLEM, (go, ids, x, r, w), kernel(go, ids, x, r, w, vocab_size=vocab), *ids.shape, dims=dims)
 
 
 @pytest.mark.gpu
@@ -172,32 +292,28 @@ def test_gpu_argument_errors():
 
 @pytest.mark.gpu
 # The radix sort alone: bitwise PyTorch's stable sort (ids and order) at a ragged chunk, 32K
-# tokens and MAX_TOKENS, int32 and int64 ids, one id everywhere; a bad id leaves -1 first. The
-# build that marks the ids present: its bitmap is exactly the set of ids.
+# tokens and MAX_TOKENS, int32 and int64 ids, one id everywhere; a bad id leaves -1 first and
+# its range in the error record.
 @pytest.mark.parametrize("tokens,dtype,vocab", [(2049, torch.int64, 65536), (5000 + 7, torch.int32, 300),
                                                 (32768, torch.int64, 65536), (id_radix.MAX_TOKENS, torch.int32, 1)])
-@pytest.mark.parametrize("mark_touched", [False, True])
-def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab, mark_touched):
+def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab):
+    from cutebwd.kernels import errors
     from cutebwd.kernels.runtime import device_arch, ffi_function
 
-    run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(0),
-                                      mark_touched=mark_touched))
-    index = id_radix.Workspace(torch.device("cuda", torch.cuda.current_device())).get()
-    ranges, touched = index.ranges, index.touched
+    device = torch.cuda.current_device()
+    run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(device)))
+    index = id_radix.Workspace(torch.device("cuda", device)).get()
     ids = torch.randint(0, vocab, (tokens,), device="cuda", dtype=dtype)
     sorted_ids, order = index.sorted_ids[:tokens].fill_(-5), index.order[:tokens].fill_(-5)
-    touched.fill_(-1)  # every bit set: the sort must clear what is absent
-    args = (index.counts, ranges, index.keys, index.tokens, sorted_ids, order, touched, vocab)
+    args = (index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order, errors.record(device), vocab)
     run(ids, *args)
     want_ids, want_order = torch.sort(ids, stable=True)
     assert torch.equal(sorted_ids, want_ids.int()) and torch.equal(order, want_order)
-    chunk_ranges = ranges[:id_radix.chunks(tokens)]
+    chunk_ranges = index.ranges[:id_radix.chunks(tokens)]
     assert int(chunk_ranges[:, 0].min()) == int(ids.min()) and int(chunk_ranges[:, 1].max()) == int(ids.max())
-    if mark_touched:
-        present = torch.zeros(id_radix.MAX_VOCAB, dtype=torch.bool, device="cuda")
-        present[ids.long()] = True
-        bits = (touched.view(-1, 1) >> torch.arange(32, dtype=torch.int32, device="cuda")) & 1
-        assert torch.equal(bits.view(-1).bool(), present)
+    cutebwd.check_errors()  # nothing recorded
     ids[tokens // 2] = vocab
     run(ids, *args)
     assert int(sorted_ids[0]) == -1
+    with pytest.raises(ValueError, match=rf"to {vocab}, outside \[0, {vocab}\)"):
+        cutebwd.check_errors()

@@ -104,8 +104,7 @@ def fused_residual_rmsnorm_builds(hidden: int):
 def embedding_rmsnorm_builds(batch: int, seq: int, dims=None):
     """The embedding backward as the benchmark calls it (int64 ids, bf16 norm_weight, a fresh
     table): ids sorted on chip up to SORT_ON_CHIP_MAX_TOKENS tokens, else the radix sort and the
-    row kernel that zeroes the untouched rows (embedding_backward.embedding_rmsnorm_backward's
-    paths)."""
+    row kernel on sorted ids (embedding_backward.embedding_rmsnorm_backward's paths)."""
     dims = model_dims(embedding_rmsnorm.DIMS, dims)
     hidden, vocab, tokens = dims["hidden"], dims["vocab"], batch * seq
     expects = embedding_backward.AUDIT_EXPECTS
@@ -113,10 +112,9 @@ def embedding_rmsnorm_builds(batch: int, seq: int, dims=None):
         yield Build(f"embedding_rmsnorm_backward[H={hidden},norm_weight bf16,fresh,ids sorted on chip]",
                     embedding_backward._build, (hidden, False, BFloat16), (("ids_dtype", Int64),), expects)
     elif tokens <= id_radix.MAX_TOKENS and vocab <= id_radix.MAX_VOCAB:
-        yield Build("embedding_rmsnorm_backward ids radix sort,marking touched", id_radix.build, (Int64,),
-                    (("mark_touched", True),), id_radix.AUDIT_EXPECTS)
-        yield Build(f"embedding_rmsnorm_backward[H={hidden},norm_weight bf16,fresh,zeroes untouched rows]",
-                    embedding_backward._build, (hidden, False, BFloat16), (("touched", True),), expects)
+        yield Build("embedding_rmsnorm_backward ids radix sort", id_radix.build, (Int64,), (), id_radix.AUDIT_EXPECTS)
+        yield Build(f"embedding_rmsnorm_backward[H={hidden},norm_weight bf16,fresh]",
+                    embedding_backward._build, (hidden, False, BFloat16), (), expects)
     else:
         raise ValueError(f"087 at {batch} x {seq}, vocabulary {vocab}: a path the audit does not list")
 

@@ -156,6 +156,29 @@ def _accumulate_case(batch, seq, vocab, hidden):
     return run
 
 
+def _bad_ids_case(batch, seq, vocab, hidden):
+    """The embedding backward with an id outside the vocabulary: a caller's table (fresh and
+    accumulated) and the call's own, the error read back from the device's record."""
+    def run():
+        import cutebwd
+        from cutebwd.references import PROBLEMS
+
+        go, ids, x, rstd, w = PROBLEMS["embedding_rmsnorm_backward"].make_inputs(
+            batch, seq, device="cuda", seed=11, dims={"vocab": vocab, "hidden": hidden})
+        ids[-1, -1] = vocab
+        out = (torch.ones(vocab, hidden, dtype=torch.bfloat16, device="cuda"), w.clone())
+        for options in ({"out": out}, {"out": out, "accumulate": True}, {}):
+            cutebwd.embedding_rmsnorm_backward(go, ids, x, rstd, w, vocab_size=vocab, **options)
+            try:
+                cutebwd.check_errors()
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("an out-of-range id went unreported")
+        assert bool((out[0] == 1).all()) and torch.equal(out[1], w)
+    return run
+
+
 # Small enough to finish under racecheck in seconds, large enough to take every code path:
 # ragged tiles, clusters, pingpong, stream-K hand-over, 256-row tiles, fp32 C, fused epilogues; the
 # fused residual RMSNorm backward with and without `normalized` (None: a second case); the
@@ -216,6 +239,11 @@ CASES = {
                                     kernel_options={"vocab_size": 97}),
     "087 range and int16 keys": _problem_case("embedding_rmsnorm_backward", 1, 131073, dims={"vocab": 97, "hidden": 64},
                                               kernel_options={"vocab_size": 97}),
+    # an id out of range on each index pass: nothing written, the error recorded
+    "087 bad ids, sorted on chip": _bad_ids_case(2, 300, 97, 256),
+    "087 bad ids, radix sort": _bad_ids_case(3, 1000, 97, 256),
+    "087 bad ids, range and int16 keys": _bad_ids_case(1, 131073, 97, 64),
+    "087 bad ids, vocabulary of 70000": _bad_ids_case(2, 700, 70000, 256),
 }
 
 
