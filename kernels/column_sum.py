@@ -11,7 +11,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from .rows import VECTOR, vector, wide_copy
 

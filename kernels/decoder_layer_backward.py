@@ -48,10 +48,8 @@ from ..layouts.gemm import GemmTiling
 from ..references import decoder_layer as contract
 from ..references.inputs import model_dims
 from . import errors, padded_rows, rmsnorm_backward
-from .epilogue import DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD
-from .gemm import GemmCall, matmul_nt
-from .gemm_batched import matmul_nt_batched, summed_k
-from .gemm_grouped import matmul_nt_grouped, matmul_nt_summed
+from .gemm import GemmCall, matmul_nt, matmul_nt_batched, matmul_nt_grouped, matmul_nt_summed, summed_k
+from .gemm.epilogue import DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD
 
 # The contract's tensor inputs in signature order (eps follows them) and its outputs.
 INPUTS = contract.INPUTS[:-1]

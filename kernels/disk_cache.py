@@ -56,8 +56,8 @@ def code_digest() -> str:
     # the DSL's own switches (CUTE_DSL_*) can change what it generates
     digest.update(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL"))).encode())
     for folder in ("kernels", "layouts"):
-        for path in sorted((_PACKAGE / folder).glob("*.py")):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        for path in sorted((_PACKAGE / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 

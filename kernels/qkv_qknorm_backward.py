@@ -31,7 +31,6 @@ workloads); batch and sequence are runtime extents.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import cutlass
 import cutlass.cute as cute
@@ -40,9 +39,11 @@ from cutlass import BFloat16, Float32, Int32
 from ..layouts.gemm import GemmTiling, default_tiling
 from ..layouts.gpus import GPUS, Gpu
 from . import errors, runtime
-from .epilogue import STORE
-from .gemm import _ARCH_MODULES, BARRIER_WORDS, NO_EPILOGUE_TENSORS, _Call, _device_gpu
-from .gemm_grouped import stacked_k, stacked_rows
+from .gemm import MAIN_LOOPS
+from .gemm.core import BARRIER_WORDS, NO_EPILOGUE_TENSORS
+from .gemm.dispatch import Call, device_gpu
+from .gemm.epilogue import STORE
+from .gemm.grouped import stacked_k, stacked_rows
 from .column_sum import ColumnSumsInWarps
 from .qk_norm_rows import MAX_HEAD_DIM, VECTOR, QkNormBackward
 
@@ -70,7 +71,7 @@ class QkvQkNormBackward:
                  grouped: GemmTiling, paired: bool = False):
         self.head_dim, self.q_heads, self.hidden, self.paired = head_dim, q_heads, hidden, paired
         self.norm = QkNormBackward(head_dim)
-        main_loop = importlib.import_module(_ARCH_MODULES[arch], __package__).MAIN_LOOP
+        main_loop = MAIN_LOOPS[arch].MAIN_LOOP
         # Both launches under programmatic dependent launch: a product's CTAs start (barriers,
         # descriptors) as the previous kernel's retire. The norm-weight gradients' column sums
         # run in the summed product's idle warps instead of a launch of their own. (H200, one
@@ -152,7 +153,7 @@ def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, gro
     def flat(dtype, width):
         return runtime.fake_tensor(dtype, (cute.sym_int32(), width), (width, 1), 16)
 
-    def schedule(tiling):  # as gemm._Call passes it: stream-K partials and flags, ctas, dp tiles, per
+    def schedule(tiling):  # as gemm.dispatch.Call passes it: stream-K partials and flags, ctas, dp tiles, per
         elements = tiling.tile_m * tiling.tile_n
         return (flat(Float32, elements), runtime.fake_tensor(Int32, (cute.sym_int32(),), (1,), 4), Int32(1),
                 Int32(1), Int32(1))
@@ -298,7 +299,7 @@ class _Entry:
         import torch
 
         self.device, self.head_dim, self.q_heads = device, head_dim, q_heads
-        self.gpu = _device_gpu(device)
+        self.gpu = device_gpu(device)
         self.max_ctas = self.gpu.sms  # the widest grid
         # per stream, one lookup a call: the norm grid's partial rows, the grid barrier's
         # counters and the dq/dk buffer
@@ -347,7 +348,7 @@ class _Plan:
 
         def schedule(tiling, m, k, clusters=None):
             clusters = clusters or entry.max_clusters(tiling.cluster_m * tiling.cluster_n)
-            return _Call(None, clusters, tiling, m, hidden, k, entry.device, None, torch.bfloat16)
+            return Call(None, clusters, tiling, m, hidden, k, entry.device, None, torch.bfloat16)
 
         self.summed = schedule(summed, tokens, stacked_k(widths, summed))
         # the summed product's grid, the norm rows' too: every cluster the device holds at once

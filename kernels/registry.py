@@ -4,14 +4,15 @@ A kernel module declares `AUDIT_BUILDS` ({name: build(arch, dump_dir) -> compile
 `AUDIT_EXPECTS` ({arch: {"require": [families], "forbid": [families]}}; a build whose
 machine code differs can have its own in `AUDIT_EXPECTS_BY_BUILD` {name: ...}), families as
 tools/audit.py names them; an arch a module does not name is not built for it (the GEMM
-core's main loop is per arch: gemm_sm90 builds for sm_90a only, gemm_sm100 for sm_100a
-only). Adding a kernel to the audit (and so to its test) is one line here.
+core's main loop is per arch: gemm.sm90 builds for sm_90a only, gemm.sm100 for sm_100a
+only; the package lists them in gemm.AUDITS). Adding a kernel to the audit (and so to its test)
+is one line here.
 """
-from . import (embedding_backward, gemm_sm90, gemm_sm100, id_radix, id_sort, padded_rows, qkv_qknorm_backward,
+from . import (embedding_backward, gemm, id_radix, id_sort, padded_rows, qkv_qknorm_backward,
                rmsnorm_backward, row_rstd)
 
-KERNEL_MODULES = (row_rstd, rmsnorm_backward, embedding_backward, id_sort, id_radix, qkv_qknorm_backward, gemm_sm90,
-                  gemm_sm100, padded_rows)
+KERNEL_MODULES = (row_rstd, rmsnorm_backward, embedding_backward, id_sort, id_radix, qkv_qknorm_backward, *gemm.AUDITS,
+                  padded_rows)
 
 
 def audit_builds():

@@ -242,7 +242,7 @@ def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: in
     (256 x 32: 0.102 / 0.115 against 0.149 / 0.155). A batch of `group_n` products (the decoder
     layer's per-head dq, inverse RoPE) with K <= SHORT_ROPE_K on sm_90a: 64-row pingpong tiles in
     2 x 1 clusters, one warpgroup's table loads and rotation under the other's MMAs; for a batch
-    sum (gemm_batched's group_sum) K is the sum's (H200, us, default / 64-row pingpong: dq
+    sum (gemm.batched's group_sum) K is the sum's (H200, us, default / 64-row pingpong: dq
     449 x 16 144.7 / 134.3, 373 x 8 54.9 / 47.0, 1024 x 2 62.4 / 57.8, 256 x 32 108.9 / 94.1,
     211 x 2 8.3 / 8.5; dk summed over four heads, K = 4 s, 449 x 16 104.6 / 132.2, 1024 x 2
     46.6 / 70.1, 256 x 32 72.7 / 73.9, 211 x 2 13.3 / 11.1). A batch of sums (`summed` > 1
@@ -252,7 +252,7 @@ def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: in
     stay ahead: 28.0 / 29.6 against 40.9 / 42.1).
     `side_tensors`: the epilogue moves per-row values or tables by plain loads (softmax_bwd,
     row_dot, rope_inverse); on Blackwell those take one accumulator row a thread, so 128-row
-    tiles (gemm_sm100), 2 x 1 clusters (2-CTA MMAs) from M > 128.
+    tiles (gemm.sm100), 2 x 1 clusters (2-CTA MMAs) from M > 128.
     `gpu`: the rules' arch and SM count (the tile-count limits were read off the H200's 132)."""
     arch, half_the_sms = gpu.arch, gpu.sms // 2
     if summed > 1 and batches * -(-m // 128) <= half_the_sms and n <= 256 and n % 32 == 0 and arch == "sm_90a":

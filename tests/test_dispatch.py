@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cutebwd.kernels import decoder_layer_backward as decoder
-from cutebwd.kernels import gemm, gemm_batched, gemm_grouped, qkv_qknorm_backward, runtime
+from cutebwd.kernels import qkv_qknorm_backward, runtime
+from cutebwd.kernels.gemm import batched as gemm_batched, dispatch as gemm, grouped as gemm_grouped
 from cutebwd.kernels.gemm import GemmCall
 from cutebwd.layouts.gemm import default_tiling
 from cutebwd.layouts.gpus import B200, GPUS, H200, Gpu
@@ -76,10 +77,10 @@ def dry_run(monkeypatch):
 
     monkeypatch.setattr(GemmCall, "tiling_on", record)
     for module in (gemm, gemm_batched, gemm_grouped):
-        monkeypatch.setattr(module, "_device_gpu", lambda device: on["gpu"])
-        monkeypatch.setattr(module, "_kernel", lambda arch, device, build: (lambda *args: None, 1))
+        monkeypatch.setattr(module, "device_gpu", lambda device: on["gpu"])
+        monkeypatch.setattr(module, "compiled_kernel", lambda arch, device, build: (lambda *args: None, 1))
         monkeypatch.setattr(module, "_calls", {})
-    for module, check in ((gemm, "_check_call"), (gemm_batched, "_check_batch"), (gemm_grouped, "_check_all"),
+    for module, check in ((gemm, "check_call"), (gemm_batched, "_check_batch"), (gemm_grouped, "_check_all"),
                           (gemm_grouped, "_check_terms"), (decoder, "_check_inputs")):
         monkeypatch.setattr(module, check, lambda *args: None)  # (they want CUDA tensors)
     monkeypatch.setattr(gemm_grouped, "_summed_calls", {})
@@ -163,7 +164,8 @@ def nvdisasm():
 def test_b300_target_compiles(nvdisasm):
     """sm_103a (a B300): the Blackwell GEMM core, a fused side-tensor epilogue in 2-CTA pairs,
     and a row kernel compile for it and hold what their sm_100a builds declare."""
-    from cutebwd.kernels import gemm_sm100, rmsnorm_backward
+    from cutebwd.kernels import rmsnorm_backward
+    from cutebwd.kernels.gemm import sm100 as gemm_sm100
 
     softmax = next(c for c in decoder.gemm_calls(2, 211) if c.epilogue.name == "softmax_bwd")
     for build, expects in ((softmax.build(softmax.tiling_on(B200)).compile, gemm_sm100.AUDIT_EXPECTS["sm_100a"]),

@@ -117,8 +117,8 @@ def test_odd_tile_rows_turn_the_cluster_along_n():
     """A 2 x 1 cluster over an odd count of tile rows would idle one CTA of its last cluster row:
     the cluster turns to 1 x 2 where N's tiles pair up, else goes; even counts, sm_100a's 2-CTA
     pairs and tilings asked for by name keep theirs."""
-    from cutebwd.kernels.epilogue import STORE
-    from cutebwd.kernels.gemm import choose_tiling
+    from cutebwd.kernels.gemm.epilogue import STORE
+    from cutebwd.kernels.gemm.dispatch import choose_tiling
 
     wide = GemmTiling(tile_m=128, tile_n=256, cluster_m=2)
     assert even_clusters(wide, 613, 14336) == GemmTiling(tile_m=128, tile_n=256, cluster_n=2)
@@ -277,7 +277,7 @@ def test_stream_k_matches_and_repeats_bitwise(m, n, k, tile_m, tile_n, cluster, 
 def test_split_k_spreads_few_tiles_over_every_sm(m, n, k, tiling):
     """Fewer tiles than SMs, their k-iterations dealt out over every SM: right against fp32,
     the same bits call to call, and the same kernel as without split_k (one compile)."""
-    from cutebwd.kernels import gemm
+    from cutebwd.kernels.gemm import dispatch as gemm
 
     a, b = _operands(m, n, k, seed=k)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -321,7 +321,7 @@ def test_first_call_of_a_shape_inside_graph_capture(stream_k, tile_n):
     """A shape and a tiling (2 x 1 clusters, used by no other test) met for the first time under
     CUDA-graph capture, as torch.compile's CUDA graphs do: compile, cluster query and, with
     stream-K units, the workspace all inside it."""
-    from cutebwd.kernels import gemm
+    from cutebwd.kernels.gemm import dispatch as gemm
 
     m, n, k = (1064, 1288, 328) if stream_k is None else (2100, 1800, 2504)
     a, b = _operands(m, n, k, seed=11)
@@ -342,14 +342,14 @@ def test_calls_without_stream_k_pass_one_fixed_workspace():
     """A shape with no stream-K units hands the kernel one stand-in workspace (never read) with
     no per-stream lookup; one with stream-K units keeps its per-stream workspace. The kernel
     launch is replaced by a recorder: this is the host path alone, on the CPU."""
-    from cutebwd.kernels import gemm
+    from cutebwd.kernels.gemm import dispatch as gemm
 
     seen = []
     cpu = torch.device("cpu")
-    whole_waves = gemm._Call(lambda *args: seen.append(args), 64, GemmTiling(), 1024, 1024, 512, cpu, None,
+    whole_waves = gemm.Call(lambda *args: seen.append(args), 64, GemmTiling(), 1024, 1024, 512, cpu, None,
                              torch.bfloat16)
     assert whole_waves.per == 0 and whole_waves.fixed_args[2:] == (64, 64, 0)
-    ragged = gemm._Call(None, 10, GemmTiling(), 1000, 776, 4000, cpu, None, torch.bfloat16)
+    ragged = gemm.Call(None, 10, GemmTiling(), 1000, 776, 4000, cpu, None, torch.bfloat16)
     assert ragged.per and ragged.fixed_args is None
     a, b = torch.zeros(1024, 512, dtype=torch.bfloat16), torch.zeros(1024, 512, dtype=torch.bfloat16)
     key = (1024, 1024, 512, True, True, "bfloat16", a.get_device(), None, None, "store")
@@ -372,7 +372,7 @@ def test_run_call_zero_k_and_rejected_calls():
     checks reject is explained, then its error goes on."""
     import types
 
-    from cutebwd.kernels import gemm
+    from cutebwd.kernels.gemm import dispatch as gemm
 
     launches, explained = [], []
     call = types.SimpleNamespace(run=lambda *args: launches.append(args), fixed_args=(None,) * 5)
@@ -393,12 +393,12 @@ def test_run_call_zero_k_and_rejected_calls():
 def test_stream_k_stays_off_on_short_k_unless_forced():
     """Ragged waves go stream-K from MIN_K_TILES k-tiles up (below, the partial-tile hand-over
     costs more than the balance gains); stream_k=True still forces it."""
-    from cutebwd.kernels import gemm
+    from cutebwd.kernels.gemm import dispatch as gemm
 
     cpu, tiling = torch.device("cpu"), GemmTiling()
     for k_tiles, forced, stream_k in ((gemm.MIN_K_TILES - 1, None, False), (gemm.MIN_K_TILES, None, True),
                                       (8, True, True), (80, False, False)):
-        call = gemm._Call(None, 66, tiling, 2048, 1280 + 128, k_tiles * tiling.tile_k, cpu, forced, torch.bfloat16)
+        call = gemm.Call(None, 66, tiling, 2048, 1280 + 128, k_tiles * tiling.tile_k, cpu, forced, torch.bfloat16)
         assert bool(call.per) == stream_k, (k_tiles, forced)
 
 
@@ -432,12 +432,10 @@ def test_every_tiling_the_rules_pick_compiles_and_passes_the_audit(arch, tiling,
     declares (sm_90a: pipelined warpgroup MMAs; sm_100a: tcgen05 MMAs and tensor-memory loads)
     and fits the hardware (registers, shared and tensor memory, cluster). No Blackwell GPU is
     here, so for sm_100a this is all the evidence there is."""
-    import importlib
-
-    from cutebwd.kernels import gemm
+    from cutebwd.kernels.gemm import dispatch as gemm
     from cutebwd.tools import audit
 
-    module = importlib.import_module(gemm._ARCH_MODULES[arch], "cutebwd.kernels")
+    module = gemm.MAIN_LOOPS[arch]
     result = audit.audit_build(lambda arch, dump_dir: module.build(tiling, a_k_major, b_k_major, "bfloat16", arch,
                                                                    dump_dir), arch, audit.find_nvdisasm())
     result.update(kernel=str(tiling), arch=arch)
@@ -446,21 +444,21 @@ def test_every_tiling_the_rules_pick_compiles_and_passes_the_audit(arch, tiling,
 
 def test_one_host_wrapper_for_both_arches():
     """The sm_90a and sm_100a kernels take the same arguments from the same host code: the
-    per-arch modules only build kernels (gemm._ARCH_MODULES), they hold no host wrapper."""
+    per-arch modules only build kernels (gemm.MAIN_LOOPS), they hold no host wrapper."""
     import inspect
 
-    from cutebwd.kernels import gemm, gemm_sm90, gemm_sm100
+    from cutebwd.kernels.gemm import MAIN_LOOPS, sm90 as gemm_sm90, sm100 as gemm_sm100
 
-    assert set(gemm._ARCH_MODULES) == {"sm_90a", "sm_100a", "sm_103a"}
+    assert set(MAIN_LOOPS) == {"sm_90a", "sm_100a", "sm_103a"}
     assert inspect.signature(gemm_sm90.build).parameters.keys() == inspect.signature(gemm_sm100.build).parameters.keys()
     for module in (gemm_sm90, gemm_sm100):
-        assert not hasattr(module, "matmul_nt") and not hasattr(module, "_Call")
+        assert not hasattr(module, "matmul_nt") and not hasattr(module, "Call")
 
 
 def test_blackwell_pairs_run_two_cta_mmas():
     """A 2 x 1 cluster of 128-row tiles is one 256-row MMA tile: 2-CTA tcgen05 MMAs and TMA
     loads in the machine code; a lone CTA's build has neither."""
-    from cutebwd.kernels import gemm_sm100
+    from cutebwd.kernels.gemm import sm100 as gemm_sm100
     from cutebwd.tools import audit
 
     nvdisasm = audit.find_nvdisasm()

@@ -1,10 +1,10 @@
-"""Batched products (kernels/gemm_batched.py): argument errors on any machine; on the GPU,
+"""Batched products (kernels/gemm/batched.py): argument errors on any machine; on the GPU,
 056's per-(batch, head) products read in place from its [b, s, heads, d] tensors, plain and
 with the softmax_bwd and rope_inverse epilogues, against fp32 PyTorch, outputs poisoned."""
 import pytest
 import torch
 
-from cutebwd.kernels.gemm_batched import matmul_nt_batched
+from cutebwd.kernels.gemm import matmul_nt_batched
 from cutebwd.layouts.gemm import GemmTiling
 from cutebwd.tools.parity import relative_error
 

@@ -1,10 +1,10 @@
-"""Fused GEMM epilogues (kernels/epilogue.py): argument errors on any machine; on the
+"""Fused GEMM epilogues (kernels/gemm/epilogue.py): argument errors on any machine; on the
 GPU, every epilogue against fp32 PyTorch (autograd for dSwiGLU) on sizes that are not tile
 multiples, with outputs poisoned before the call."""
 import pytest
 import torch
 
-from cutebwd.kernels.epilogue import ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, check_epilogue_tensors
+from cutebwd.kernels.gemm.epilogue import ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, check_epilogue_tensors
 from cutebwd.kernels.gemm import matmul_nt
 from cutebwd.layouts.gemm import GemmTiling
 from cutebwd.tools.parity import relative_error

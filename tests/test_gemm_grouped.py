@@ -1,10 +1,10 @@
-"""Grouped products and sums of products (kernels/gemm_grouped.py): argument errors on
+"""Grouped products and sums of products (kernels/gemm/grouped.py): argument errors on
 any machine; on the GPU, every result against fp32 PyTorch on sizes that are not tile
 multiples, with results poisoned before the call."""
 import pytest
 import torch
 
-from cutebwd.kernels.gemm_grouped import matmul_nt_grouped, matmul_nt_summed
+from cutebwd.kernels.gemm import matmul_nt_grouped, matmul_nt_summed
 from cutebwd.layouts.gemm import GemmTiling
 from cutebwd.tools.parity import relative_error
 

@@ -81,7 +81,7 @@ def test_a_capture_grows_its_set(streams, monkeypatch):
 
 
 def test_051_scratch_grows_with_dq_dk(streams):
-    from cutebwd.kernels.gemm import BARRIER_WORDS
+    from cutebwd.kernels.gemm.core import BARRIER_WORDS
     from cutebwd.kernels.qkv_qknorm_backward import _Scratch
 
     scratch = _Scratch(4, 8, torch.device("cpu"))

@@ -93,7 +93,7 @@ def test_grid_barrier_count_wraps():
     flip and below its wrap to zero, two calls each still match the first call and leave the
     count where wrapping arithmetic says."""
     from cutebwd.kernels import qkv_qknorm_backward as M
-    from cutebwd.kernels.gemm import ARRIVALS_PER_USE
+    from cutebwd.kernels.gemm.core import ARRIVALS_PER_USE
 
     inputs = PROBLEM.make_inputs(2, 131, device="cuda", seed=8)
     first = [t.clone() for t in kernel(*inputs)]

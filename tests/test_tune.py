@@ -93,7 +93,7 @@ def test_candidates_an_arch_cannot_run_are_skipped():
 def test_matmul_takes_the_tables_pick(table, monkeypatch):
     import torch
 
-    from cutebwd.kernels import gemm
+    from cutebwd.kernels.gemm import dispatch as gemm
 
     picked = []
     choose = gemm.choose_tiling

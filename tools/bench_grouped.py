@@ -1,6 +1,6 @@
 """The grouped products against separate launches, in one run on the same random data: the
 decoder layer's q/k/v weight gradients dW_i = dY_i^T . X (q 5120, k and v 1280 rows, in 5120,
-K = T) as one grouped launch (kernels.gemm_grouped) against the same three products launched
+K = T) as one grouped launch (kernels/gemm/grouped.py) against the same three products launched
 one by one, ours and cuBLAS, with the floor (operands read once, results written once, at the
 measured copy bandwidth; or the MMAs at the measured cuBLAS rate, whichever is longer); and
 their input gradient dX = dQ . Wq + dK . Wk + dV . Wv as one summed launch against three
@@ -28,7 +28,7 @@ MAX_RELATIVE_ERROR = 1e-2
 
 def bench_tokens(t, generator, bandwidth, rate, log):
     from cutebwd.kernels.gemm import matmul_nt
-    from cutebwd.kernels.gemm_grouped import matmul_nt_grouped, matmul_nt_summed
+    from cutebwd.kernels.gemm import matmul_nt_grouped, matmul_nt_summed
 
     dys = [torch.randn(t, w, device="cuda", generator=generator).bfloat16() for w in WIDTHS]
     x = torch.randn(t, HIDDEN, device="cuda", generator=generator).bfloat16()

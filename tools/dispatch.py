@@ -18,7 +18,7 @@ from typing import Callable
 
 from cutlass import BFloat16, Float32, Int64
 
-from ..kernels import (decoder_layer_backward, embedding_backward, gemm_sm90, gemm_sm100, id_radix, padded_rows,
+from ..kernels import (decoder_layer_backward, embedding_backward, gemm, id_radix, padded_rows,
                        qkv_qknorm_backward, rmsnorm_backward, row_rstd)
 from ..layouts.gpus import GPUS, Gpu
 from ..references import decoder_layer, embedding_rmsnorm, fused_residual_rmsnorm, qkv_qknorm
@@ -60,8 +60,8 @@ def _gemm(gpu: Gpu, call) -> Build:
     """The GEMM-core build `call` makes on `gpu` (GemmBuild.compile with the build as its first
     argument: equal builds, equal Builds)."""
     build = call.build(call.tiling_on(gpu))
-    module = gemm_sm90 if gpu.arch == "sm_90a" else gemm_sm100
-    return Build(module.__name__.rsplit(".", 1)[1] + build.name, type(build).compile, (build,),
+    module = gemm.MAIN_LOOPS[gpu.arch]
+    return Build(module.FAMILY + build.name, type(build).compile, (build,),
                  expects=module.AUDIT_EXPECTS)
 
 

@@ -78,7 +78,7 @@ def _gemm_case(m, n, k, *, a_k_major=True, stream_k=None, fp32_c=False, epilogue
 
 def _grouped_case(ms, n, k, **options):
     def run():
-        from cutebwd.kernels.gemm_grouped import matmul_nt_grouped
+        from cutebwd.kernels.gemm import matmul_nt_grouped
         from cutebwd.tools.parity import assert_parity
 
         g = torch.Generator(device="cuda").manual_seed(sum(ms) + n + k)
@@ -92,7 +92,7 @@ def _grouped_case(ms, n, k, **options):
 
 def _summed_case(m, n, ks, **options):
     def run():
-        from cutebwd.kernels.gemm_grouped import matmul_nt_summed
+        from cutebwd.kernels.gemm import matmul_nt_summed
         from cutebwd.tools.parity import assert_parity
 
         g = torch.Generator(device="cuda").manual_seed(m + n + sum(ks))
@@ -107,7 +107,7 @@ def _batched_case(b, heads, s, d, **options):
     """The decoder layer's attention scores and softmax backward per (batch, head), through the
     heads' strides."""
     def run():
-        from cutebwd.kernels.gemm_batched import matmul_nt_batched
+        from cutebwd.kernels.gemm import matmul_nt_batched
         from cutebwd.tools.parity import assert_parity
 
         g = torch.Generator(device="cuda").manual_seed(b + heads + s)

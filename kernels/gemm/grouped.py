@@ -10,10 +10,10 @@ concatenation copy), in one persistent launch of the GEMM core:
 """
 from __future__ import annotations
 
-from ..layouts.gemm import GemmTiling
-from .gemm import GemmCall, _Call, _check, _device_gpu, _k_major, _kernel
+from ...layouts.gemm import GemmTiling
+from .dispatch import Call, GemmCall, check_operands, compiled_kernel, device_gpu, k_major, matmul_nt
 
-_calls: dict = {}  # (Ms, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> _Call
+_calls: dict = {}  # (Ms, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> Call
 
 
 def matmul_nt_grouped(a_list, b, *, outs=None, out_dtype=None, tiling: GemmTiling | None = None,
@@ -62,7 +62,6 @@ def _without_empty_products(a_list, b, outs, out_dtype, tiling, stream_k):
     """Some M_i = 0: those results are empty; the others run as one product or a smaller group."""
     import torch
 
-    from .gemm import matmul_nt
 
     _check_all(a_list, b, outs)
     dtype = next((o.dtype for o in outs if o is not None), out_dtype or torch.bfloat16)
@@ -80,8 +79,8 @@ def _check_all(a_list, b, outs):
     """Each product's arguments (named a_list[i], outs[i]; each on B's device, so all on one),
     and one majorness (an empty operand is never read: any) and dtype for all."""
     for i, (a, out) in enumerate(zip(a_list, outs)):
-        _check(a, b, out, a_name=f"a_list[{i}]", out_name=f"outs[{i}]")
-    majors = {_k_major(a, f"a_list[{i}]") for i, a in enumerate(a_list) if a.numel()}
+        check_operands(a, b, out, a_name=f"a_list[{i}]", out_name=f"outs[{i}]")
+    majors = {k_major(a, f"a_list[{i}]") for i, a in enumerate(a_list) if a.numel()}
     if len(majors) > 1:
         raise ValueError("a_list: every operand K-major, or every one M-major (one build runs them all)")
     if len({o.dtype for o in outs if o is not None}) > 1:
@@ -94,12 +93,12 @@ def _resolve(a_list, b, outs, tiling, c_dtype, stream_k):
 
     _check_all(a_list, b, outs)
     ms, (n, k) = tuple(a.shape[0] for a in a_list), b.shape
-    gpu = _device_gpu(b.device)
-    a_k_major, b_k_major = _k_major(a_list[0], "a_list[0]"), _k_major(b, "b")
+    gpu = device_gpu(b.device)
+    a_k_major, b_k_major = k_major(a_list[0], "a_list[0]"), k_major(b, "b")
     product = GemmCall(sum(ms), n, k, a_k_major, b_k_major, c_dtype, products=len(a_list), stack="m", tiling=tiling)
     chosen = product.tiling_on(gpu)
-    run = _kernel(gpu.arch, b.device, product.build(chosen))
-    call = _calls[ms, n, k, a_k_major, b_k_major, c_dtype, b.device.index, tiling, stream_k] = _Call(
+    run = compiled_kernel(gpu.arch, b.device, product.build(chosen))
+    call = _calls[ms, n, k, a_k_major, b_k_major, c_dtype, b.device.index, tiling, stream_k] = Call(
         *run, chosen, stacked_rows(ms, chosen), n, k, b.device, stream_k, getattr(torch, c_dtype))
     return call
 
@@ -115,7 +114,7 @@ def stacked_k(ks, tiling: GemmTiling) -> int:
     return sum(-(-k // tiling.tile_k) * tiling.tile_k for k in ks)
 
 
-_summed_calls: dict = {}  # (Ks, M, N, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> _Call
+_summed_calls: dict = {}  # (Ks, M, N, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> Call
 
 
 def matmul_nt_summed(pairs, *, out=None, out_dtype=None, tiling: GemmTiling | None = None,
@@ -159,7 +158,6 @@ def _without_empty_terms(pairs, out, out_dtype, tiling, stream_k):
     """Some K_i = 0: those terms add nothing; the others run as one product or a smaller sum."""
     import torch
 
-    from .gemm import matmul_nt
 
     _check_terms(pairs, out)
     live = [(a, b) for a, b in pairs if a.shape[1]]
@@ -176,12 +174,12 @@ def _without_empty_terms(pairs, out, out_dtype, tiling, stream_k):
 def _check_terms(pairs, out):
     """Each term's arguments (named pairs[i]), one M and N for all, one majorness per side."""
     for i, (a, b) in enumerate(pairs):
-        _check(a, b, out, a_name=f"pairs[{i}][0]", b_name=f"pairs[{i}][1]")
+        check_operands(a, b, out, a_name=f"pairs[{i}][0]", b_name=f"pairs[{i}][1]")
     shapes = {(a.shape[0], b.shape[0]) for a, b in pairs}
     if len(shapes) > 1:
         raise ValueError(f"pairs: every term [M, K_i] . [N, K_i]^T with one M and N, got (M, N) {sorted(shapes)}")
     for side, name in ((0, "a"), (1, "b")):  # an empty term is never read: any majorness
-        if len({_k_major(p[side], f"pairs[{i}][{side}]") for i, p in enumerate(pairs) if p[side].numel()}) > 1:
+        if len({k_major(p[side], f"pairs[{i}][{side}]") for i, p in enumerate(pairs) if p[side].numel()}) > 1:
             raise ValueError(f"pairs: every {name} K-major, or every one the other way (one build runs them all)")
     if len({t.device for p in pairs for t in p}) > 1:
         raise ValueError("pairs: all on one device")
@@ -194,11 +192,11 @@ def _resolve_summed(pairs, out, tiling, c_dtype, stream_k):
     _check_terms(pairs, out)
     ks = tuple(a.shape[1] for a, _ in pairs)
     (m, _), n, device = pairs[0][0].shape, pairs[0][1].shape[0], pairs[0][0].device
-    gpu = _device_gpu(device)
-    a_k_major, b_k_major = _k_major(pairs[0][0], "pairs[0][0]"), _k_major(pairs[0][1], "pairs[0][1]")
+    gpu = device_gpu(device)
+    a_k_major, b_k_major = k_major(pairs[0][0], "pairs[0][0]"), k_major(pairs[0][1], "pairs[0][1]")
     product = GemmCall(m, n, sum(ks), a_k_major, b_k_major, c_dtype, products=len(pairs), stack="k", tiling=tiling)
     chosen = product.tiling_on(gpu)
-    run = _kernel(gpu.arch, device, product.build(chosen))
-    call = _summed_calls[ks, m, n, a_k_major, b_k_major, c_dtype, device.index, tiling, stream_k] = _Call(
+    run = compiled_kernel(gpu.arch, device, product.build(chosen))
+    call = _summed_calls[ks, m, n, a_k_major, b_k_major, c_dtype, device.index, tiling, stream_k] = Call(
         *run, chosen, m, n, stacked_k(ks, chosen), device, stream_k, getattr(torch, c_dtype))
     return call

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import types
 
-from ..layouts.gemm import GemmTiling
-from .gemm import (ADD_NEEDS_OUT, GemmCall, _Call, _check_call, _device_gpu, _epilogue_key, _epilogue_kind, _kernel,
+from ...layouts.gemm import GemmTiling
+from .dispatch import (ADD_NEEDS_OUT, GemmCall, Call, check_call, device_gpu, epilogue_key, epilogue_kind, compiled_kernel,
                    run_call)
-from .gemm_grouped import stacked_k
+from .grouped import stacked_k
 
-# (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue, group_sum) -> _Call
+# (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue, group_sum) -> Call
 _calls: dict = {}
 
 
@@ -57,7 +57,7 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
         if ragged or out4 is not None and out4.shape[1] != l2:
             raise ValueError("not a batch sum's shapes: the full checks say why")
         key = (l1 * l2, m, n, k, a4.stride(3) == 1, b4.stride(3) == 1, c_dtype, a4.get_device(), tiling, stream_k,
-               _epilogue_key(epilogue, rows4, alpha, inputs4), group_sum)
+               epilogue_key(epilogue, rows4, alpha, inputs4), group_sum)
         call = _calls[key]
     except (AttributeError, TypeError, ValueError, KeyError, IndexError):
         call = _resolve(a4, b4, out4, tiling, c_dtype, stream_k, epilogue, inputs4, out2_4, rows4, alpha, group_sum)
@@ -89,21 +89,21 @@ def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows,
     """First call of a batch's shapes: full checks, the tiling, the compiled kernel."""
     import torch
 
-    kind = _epilogue_kind(epilogue, alpha)
+    kind = epilogue_kind(epilogue, alpha)
     _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_sum)
     batches = a.shape[0] * (a.shape[1] // group_sum)  # outputs
     if not batches:  # nothing to launch or compile: only what the outputs need
         return types.SimpleNamespace(out_dtype=getattr(torch, c_dtype), device=a.device)
     _, _, m, k = a.shape
     n = b.shape[2]
-    gpu = _device_gpu(a.device)
+    gpu = device_gpu(a.device)
     a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
     product = GemmCall(m, n, summed_k(k, group_sum), a_k_major, b_k_major, c_dtype, kind,
                        inputs[0].shape[-1] if kind.tables else None, batches=batches, batched=group_sum, tiling=tiling)
     chosen = product.tiling_on(gpu)
-    run = _kernel(gpu.arch, a.device, product.build(chosen))
+    run = compiled_kernel(gpu.arch, a.device, product.build(chosen))
     call = _calls[batches, m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
-                  _epilogue_key(epilogue, rows, alpha, inputs), group_sum] = _Call(
+                  epilogue_key(epilogue, rows, alpha, inputs), group_sum] = Call(
         *run, chosen, m, n, product.k, a.device, stream_k, getattr(torch, c_dtype), batches=batches)
     return call
 
@@ -118,7 +118,7 @@ def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_
     """Every argument: its matrices as matmul_nt checks them (the first of the batch), one
     batch shape for all (a's and b's G times as many products with group_sum G), batch strides
     TMA can step (16-byte multiples) where TMA moves it."""
-    from .checks import check_tensor
+    from ..checks import check_tensor
 
     import torch
 
@@ -129,7 +129,7 @@ def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_
                          f"summed into each output)")
     operand_batch = tuple(a.shape[:2])
     batch = (operand_batch[0], operand_batch[1] // group_sum)  # the outputs'
-    kind = _epilogue_kind(epilogue, alpha)
+    kind = epilogue_kind(epilogue, alpha)
     tma_moved = {"a": a, "b": b, "out": out, "out2": out2, **({} if kind.tables else dict(zip(kind.inputs, inputs)))}
     plain = {"rows": rows, **(dict(zip(kind.tables, inputs)) if kind.tables else {})}
     for name, t in {**tma_moved, **plain}.items():
@@ -146,5 +146,5 @@ def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_
     if not batch[0] * batch[1]:
         return  # an empty batch has no first matrix to check
     first = {name: None if t is None else t[0, 0] for name, t in {**tma_moved, **plain}.items()}
-    _check_call(first["a"], first["b"], first["out"], c_dtype, kind, [t[0, 0] for t in inputs], first["out2"],
+    check_call(first["a"], first["b"], first["out"], c_dtype, kind, [t[0, 0] for t in inputs], first["out2"],
                 first["rows"])

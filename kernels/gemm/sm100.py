@@ -2,7 +2,7 @@
 evidence is compile + machine-code audit + resource limits only). C[M, N] = A[M, K] . B[N, K]^T.
 
 Same products, tiling description (layouts.gemm), schedule, epilogue pieces and host wrapper
-as the Hopper kernel (all in kernels/gemm.py); what differs is the main loop and where the
+as the Hopper kernel (core.py, dispatch.py); what differs is the main loop and where the
 accumulator lives:
 - warp 5 (TMA): loads A and B k-tiles into a shared-memory ring (PipelineTmaUmma), multicast
   to the cluster peers that share a tile;
@@ -13,7 +13,7 @@ accumulator lives:
 - warps 0-3 (epilogue): tensor memory -> registers (tcgen05.ld) -> gemm.store_piece (C type,
   shared memory, TMA store), one epilogue subtile at a time; stream-K units hand their partial
   tile on or add the earlier ones first (gemm.store_partial / add_partial), as on Hopper.
-  Fused epilogues (kernels.epilogue) as on Hopper: C's buffers become slots, warp 0 TMA-loads
+  Fused epilogues (epilogue.py) as on Hopper: C's buffers become slots, warp 0 TMA-loads
   each subtile's inputs into one (the first ones while the tile's MMAs run), the outputs go
   over them and leave by TMA stores.
 """
@@ -32,10 +32,10 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from ..layouts.gemm import SM100_SMEM_BYTES, GemmTiling
+from ...layouts.gemm import SM100_SMEM_BYTES, GemmTiling
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        read_slot)
-from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
+from .core import (GroupedEntry, SummedEntry, add_partial, await_partial, compile_gemm, group_tile,
                    launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
                    unit, batch_last, batch_tile, work)
 
@@ -464,7 +464,7 @@ class Sm100Gemm:
         """A fused epilogue's slot tensors: ([(TMA atom, this CTA's subtiles) of each input], the
         slots' full barriers, [the same for the second output]), or None where nothing goes
         through slots (the plain store, rope_inverse). Subtiles are indexed like C's
-        (gemm_sm100._epilogue's g_parts)."""
+        (_epilogue's g_parts)."""
         if cutlass.const_expr(not self.epilogue.uses_slots):
             return None
         tile = cute.slice_(self.mma_tiler, (None, None, 0))
@@ -592,14 +592,15 @@ class Sm100Gemm:
 
 class Sm100GroupedGemm(GroupedEntry, Sm100Gemm):
     """Two or three plain products sharing B in one persistent launch, as on Hopper
-    (gemm_sm90.Sm90GroupedGemm, gemm_grouped)."""
+    (sm90.Sm90GroupedGemm, grouped.py)."""
 
 
 class Sm100SummedGemm(SummedEntry, Sm100Gemm):
-    """C = sum_i A_i . B_i^T in one launch, as on Hopper (gemm_sm90.Sm90SummedGemm)."""
+    """C = sum_i A_i . B_i^T in one launch, as on Hopper (sm90.Sm90SummedGemm)."""
 
 
 Sm100Gemm.Grouped, Sm100Gemm.Summed = Sm100GroupedGemm, Sm100SummedGemm
+FAMILY = "gemm_sm100"  # the builds' family name (compile keys, the audit)
 MAIN_LOOP = Sm100Gemm  # the arch's main loop, for kernels that launch its products from their own host code
 
 
@@ -610,15 +611,15 @@ def _smem_load_op(op):
     return cute.nvgpu.CopyUniversalOp()
 
 
-def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_100a",
-          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m", batched: bool = False):
-    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group
-    and how they are stacked, batched or not); see gemm.fake_arguments."""
-    return compile_gemm(Sm100Gemm, "gemm_sm100", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
-                        products, stack, batched)
+# One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group and
+# how they are stacked, batched or not): core.compile_gemm on this arch's main loop, called as
+# build(tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue, products, stack, batched).
+build = functools.partial(compile_gemm, Sm100Gemm, FAMILY)
 
 
-AUDIT_BUILDS = audit_builds("gemm_sm100", (
+# The audit's builds, as GemmBuild takes its fields (gemm.dispatch.audit_builds names and
+# compiles them): (tiling, A K-major?, B K-major?, C dtype[, epilogue[, products[, stack[, batched]]]]).
+AUDIT_CASES = (
     (GemmTiling(), True, False, "bfloat16"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16"),
@@ -648,7 +649,7 @@ AUDIT_BUILDS = audit_builds("gemm_sm100", (
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", STORE, 3, "k"),
-))
+)
 # tcgen05 MMAs (UTCHMMA; UTCQMMA is the narrow-type form) fed by TMA loads, tensor memory read
 # back with LDTM and waited for (tcgen05.wait::ld) before the accumulator goes back to the MMA
 # warp, TMA-store epilogue, no spills, no float atomics, no 2-byte global accesses (the fused

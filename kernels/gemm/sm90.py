@@ -17,7 +17,7 @@ Structure (warp-specialized, persistent, one CTA per SM):
   its own staging buffers and store warp; a warpgroup starts a tile's MMAs only once the other
   has issued all of its previous tile's, so the tensor cores alternate between them and one's
   epilogue runs under the other's MMAs (the short-K products, where epilogues are a large share);
-- fused epilogues (kernels.epilogue; `add`, `dswiglu`): C's staging buffers become each team's
+- fused epilogues (epilogue.py; `add`, `dswiglu`): C's staging buffers become each team's
   ring of slots; the team's store warp TMA-loads a piece of every input into a slot (the
   first ones while the tile's MMAs run, the next once a slot's stores have read it), every
   thread reads its elements by ldmatrix, and the outputs go over the inputs after a team sync
@@ -45,10 +45,10 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.tensor_utils import LayoutEnum
 from cutlass import BFloat16, Float32, Int32
 
-from ..layouts.gemm import SHORT_K_INPUT_STAGES, SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
+from ...layouts.gemm import SHORT_K_INPUT_STAGES, SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        quad_sum, read_slot)
-from .gemm import (GroupedEntry, SummedEntry, add_partial, audit_builds, await_partial, compile_gemm, group_tile,
+from .core import (GroupedEntry, SummedEntry, add_partial, await_partial, compile_gemm, group_tile,
                    launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
                    unit, batch_last, batch_tile, work)
 
@@ -581,6 +581,7 @@ class Sm90SummedGemm(SummedEntry, Sm90Gemm):
 
 
 Sm90Gemm.Grouped, Sm90Gemm.Summed = Sm90GroupedGemm, Sm90SummedGemm
+FAMILY = "gemm_sm90"  # the builds' family name (compile keys, the audit)
 MAIN_LOOP = Sm90Gemm  # the arch's main loop, for kernels that launch its products from their own host code
 
 
@@ -658,15 +659,15 @@ def tma_load_op(peers: int):
     return cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
 
 
-def build(tiling: GemmTiling, a_k_major: bool, b_k_major: bool, c_dtype: str = "bfloat16", arch: str = "sm_90a",
-          dump_dir=None, epilogue: Epilogue = STORE, products: int = 1, stack: str = "m", batched: bool = False):
-    """One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group
-    and how they are stacked, batched or not); see gemm.fake_arguments."""
-    return compile_gemm(Sm90Gemm, "gemm_sm90", tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue,
-                        products, stack, batched)
+# One compiled kernel per (tiling, operand majors, C dtype, epilogue, products in a group and
+# how they are stacked, batched or not): core.compile_gemm on this arch's main loop, called as
+# build(tiling, a_k_major, b_k_major, c_dtype, arch, dump_dir, epilogue, products, stack, batched).
+build = functools.partial(compile_gemm, Sm90Gemm, FAMILY)
 
 
-AUDIT_BUILDS = audit_builds("gemm_sm90", (
+# The audit's builds, as GemmBuild takes its fields (gemm.dispatch.audit_builds names and
+# compiles them): (tiling, A K-major?, B K-major?, C dtype[, epilogue[, products[, stack[, batched]]]]).
+AUDIT_CASES = (
     (GemmTiling(), True, False, "bfloat16"),
     (GemmTiling(tile_n=256), False, False, "bfloat16"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16"),
@@ -709,7 +710,7 @@ AUDIT_BUILDS = audit_builds("gemm_sm90", (
     (GemmTiling(tile_n=256, cluster_m=2), False, False, "bfloat16", STORE, 3),
     # and their input gradient as one sum: dX = dQ . Wq + dK . Wk + dV . Wv
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", STORE, 3, "k"),
-))
+)
 # Warpgroup MMAs fed by TMA loads, pipelined (not serialized by ptxas), TMA-store epilogue, no
 # spills, no 2-byte global accesses (fused epilogues move their tensors by TMA); the stream-K
 # ready flags are integer atomics, never float ones (partials are added in a fixed order).

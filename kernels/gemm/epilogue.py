@@ -171,7 +171,7 @@ def check_epilogue_tensors(epilogue: Epilogue, inputs, out2, m: int, n: int, dev
     row values (softmax_bwd); its tables (the inputs of rope_inverse) see _check_tables."""
     import torch
 
-    from .checks import check_same_device, check_tensor, check_tma_rows
+    from ..checks import check_same_device, check_tensor, check_tma_rows
 
     expected = epilogue.inputs + epilogue.tables  # (an epilogue has one kind or the other)
     if len(inputs) != len(expected):
@@ -202,7 +202,7 @@ def _check_tables(epilogue: Epilogue, tables, m: int, n: int):
     (the tiles are one head wide), rows 16-byte aligned."""
     import torch
 
-    from .checks import check_tensor
+    from ..checks import check_tensor
 
     for name, t in zip(epilogue.tables, tables):
         if t is None:
@@ -220,7 +220,7 @@ def _check_tables(epilogue: Epilogue, tables, m: int, n: int):
 def _check_rows(epilogue: Epilogue, rows, m: int, n: int):
     import torch
 
-    from .checks import check_tensor
+    from ..checks import check_tensor
 
     what = "writes its fp32 row sums" if epilogue.row_sums else "reads its fp32 row values"
     if rows is None:
