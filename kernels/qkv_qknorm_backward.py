@@ -40,7 +40,7 @@ from ..layouts.gemm import GemmTiling, default_tiling
 from ..layouts.gpus import GPUS, Gpu
 from . import errors, runtime
 from .gemm import MAIN_LOOPS
-from .gemm.core import BARRIER_WORDS, NO_EPILOGUE_TENSORS
+from .gemm.core import BARRIER_WORDS, Launch
 from .gemm.dispatch import Call, device_gpu
 from .gemm.epilogue import STORE
 from .gemm.grouped import stacked_k, stacked_rows
@@ -111,17 +111,18 @@ class QkvQkNormBackward:
         rows_v = rows(grad_v, tokens, d, d)  # the caller's rows are contiguous (checked on the host)
         x = rows(hidden, tokens, width, width)
         side_args = (partial_rows, grad_weight_q, grad_weight_k)
-        summed = ([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
-                  [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas, sum_dp_tiles, sum_per,
-                  NO_EPILOGUE_TENSORS, side_args, prologue, arrivals, grid)
-        grouped = ([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
-                   [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles, group_per,
-                   NO_EPILOGUE_TENSORS)
-        if cutlass.const_expr(self.paired):
-            self.summed._launch_pair(self.grouped, summed, (*grouped, side_args, prologue, arrivals, grid), stream)
+        with_prologue = {"side_args": side_args, "prologue_args": prologue, "arrivals": arrivals, "grid": grid}
+        summed = Launch([rows_q, rows_k, rows_v], [transposed(w_q), transposed(w_k), transposed(w_v)],
+                        [rows(grad_hidden, tokens, width, width)], sum_partials, sum_flags, sum_ctas, sum_dp_tiles,
+                        sum_per, **with_prologue)
+        grouped = Launch([transposed(rows_q), transposed(rows_k), transposed(rows_v)], [transposed(x)],
+                         [grad_w_q, grad_w_k, grad_w_v], group_partials, group_flags, group_ctas, group_dp_tiles,
+                         group_per)
+        if cutlass.const_expr(self.paired):  # one launch: the grouped product runs the same prologue
+            self.summed._launch_pair(self.grouped, summed, grouped._replace(**with_prologue), stream)
         else:
-            self.summed._launch(*summed[:9], stream, *summed[9:])
-            self.grouped._launch(*grouped, stream)
+            self.summed._launch(summed, stream)
+            self.grouped._launch(grouped, stream)
 
 
 def _fake_args(head_dim: int, q_heads: int, hidden: int, summed: GemmTiling, grouped: GemmTiling):

@@ -12,6 +12,8 @@ package (kernels/gemm/__init__.py).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
@@ -138,6 +140,40 @@ def compile_gemm(kernel_class, family: str, tiling: GemmTiling, a_k_major: bool,
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
+class Launch(NamedTuple):
+    """One product's launch as an arch's `_launch` takes it: its operand groups (a group
+    sharing B: one A and one C each; a sum into one C: one A and one B each), the stream-K
+    workspace and schedule, the epilogue's (in0, in1, in2, out1), and for a kernel with a
+    prologue its side job's and prologue's arguments, the grid barrier's count and the grid."""
+    a_groups: list
+    b_groups: list
+    c_groups: list
+    partials: object
+    flags: object
+    ctas: object
+    dp_tiles: object
+    sk_per: object
+    extras: tuple = NO_EPILOGUE_TENSORS
+    side_args: tuple | None = None
+    prologue_args: object = None
+    arrivals: object = None
+    grid: object = None
+
+
+class Plan(NamedTuple):
+    """This cluster's share of the schedule (`work`): its index and the cluster count, the
+    whole tiles and its count of them, its stream-K range [start, end) in k-iterations, the
+    k-tiles of a tile and the stream-K share per cluster."""
+    cta: object
+    ctas: object
+    dp_tiles: object
+    dp_units: object
+    start: object
+    end: object
+    k_tiles: object
+    per: object
+
+
 class SummedEntry:
     """Mixin: the entry point of a sum of two or three products into one C (see
     fake_arguments), C = sum_i A_i . B_i^T, their k-tiles laid end to end; a2 and b2 None for two."""
@@ -151,7 +187,7 @@ class SummedEntry:
         if cutlass.const_expr(a2 is not None):
             a_terms.append(a2)
             b_terms.append(b2)
-        self._launch(a_terms, b_terms, [c], partials, flags, ctas, dp_tiles, sk_per, NO_EPILOGUE_TENSORS, stream)
+        self._launch(Launch(a_terms, b_terms, [c], partials, flags, ctas, dp_tiles, sk_per), stream)
 
 
 class GroupedEntry:
@@ -166,7 +202,7 @@ class GroupedEntry:
         if cutlass.const_expr(a2 is not None):
             a_groups.append(a2)
             c_groups.append(c2)
-        self._launch(a_groups, [b], c_groups, partials, flags, ctas, dp_tiles, sk_per, NO_EPILOGUE_TENSORS, stream)
+        self._launch(Launch(a_groups, [b], c_groups, partials, flags, ctas, dp_tiles, sk_per), stream)
 
 
 # -- device-side schedule ----------------------------------------------------------------
@@ -176,7 +212,7 @@ def work(schedule, tiles, k_tiles, cluster_size, base=0):
     integers, over cluster tiles): whole tiles cta, cta + ctas, ... below dp_tiles (cta being
     the cluster's index, ctas the cluster count), then its stream-K range, last tile first.
     base: the grid's first CTA of this product (a launched pair's second; its schedule has a
-    cluster count). -> (unit count, the tuple `unit` and `owner` read)."""
+    cluster count). -> (unit count, the Plan `unit` and `owner` read)."""
     cta, _, _ = cute.arch.block_idx()
     ctas, _, _ = cute.arch.grid_dim()
     cta, ctas = (cta - base) // cluster_size, ctas // cluster_size
@@ -189,7 +225,7 @@ def work(schedule, tiles, k_tiles, cluster_size, base=0):
     units = dp_units + stream_k_count(start, end, k_tiles)
     if cutlass.const_expr(len(schedule) == 3):
         units = cutlass.select_(cta < ctas, units, 0)
-    return units, (cta, ctas, dp_tiles, dp_units, start, end, k_tiles, per)
+    return units, Plan(cta, ctas, dp_tiles, dp_units, start, end, k_tiles, per)
 
 
 # grid_barrier's step a use: a power of two above any grid. H200 (graph replay, one process):
@@ -250,20 +286,18 @@ def run_prologue(prologue, args, arrivals, scratch, capacity: int, thread, threa
     grid_barrier(arrivals, thread)
 
 
-def unit(u, schedule):
+def unit(u, plan: Plan):
     """(tile, first k-tile, end k-tile) of unit u."""
-    cta, ctas, dp_tiles, dp_units, start, end, k_tiles, _ = schedule
-    sk_tile, sk_begin, sk_end = stream_k_segment(cutlass.max(u - dp_units, 0), start, end, k_tiles,
-                                                 cutlass.min, cutlass.max)
-    whole = u < dp_units
-    return (cutlass.select_(whole, cta + u * ctas, dp_tiles + sk_tile), cutlass.select_(whole, 0, sk_begin),
-            cutlass.select_(whole, k_tiles, sk_end))
+    sk_tile, sk_begin, sk_end = stream_k_segment(cutlass.max(u - plan.dp_units, 0), plan.start, plan.end,
+                                                 plan.k_tiles, cutlass.min, cutlass.max)
+    whole = u < plan.dp_units
+    return (cutlass.select_(whole, plan.cta + u * plan.ctas, plan.dp_tiles + sk_tile),
+            cutlass.select_(whole, 0, sk_begin), cutlass.select_(whole, plan.k_tiles, sk_end))
 
 
-def owner(tile, schedule):
+def owner(tile, plan: Plan):
     """The cluster whose stream-K range holds the first k-iteration of `tile` (a stream-K tile)."""
-    _, _, dp_tiles, _, _, _, k_tiles, per = schedule
-    return (tile - dp_tiles) * k_tiles // per
+    return (tile - plan.dp_tiles) * plan.k_tiles // plan.per
 
 
 def cta_tile(tiling: GemmTiling, tile, tiles_m, tiles_n, coord_m, coord_n, pair: int = 1):

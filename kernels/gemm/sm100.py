@@ -35,7 +35,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ...layouts.gemm import SM100_SMEM_BYTES, GemmTiling
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        read_slot)
-from .core import (GroupedEntry, SummedEntry, add_partial, await_partial, compile_gemm, group_tile,
+from .core import (GroupedEntry, Launch, SummedEntry, add_partial, await_partial, compile_gemm, group_tile,
                    launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
                    unit, batch_last, batch_tile, work)
 
@@ -90,13 +90,14 @@ class Sm100Gemm:
                  ctas: Int32, dp_tiles: Int32, sk_per: Int32, in0: cute.Tensor | None, in1: cute.Tensor | None,
                  in2: cute.Tensor | None, out1: cute.Tensor | None, stream: cuda.CUstream):
         """The same arguments as the Hopper kernel (gemm.fake_arguments)."""
-        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, in2, out1), stream)
+        self._launch(Launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, in2, out1)), stream)
 
-    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
-                side_args=None, prologue_args=None, arrivals=None, grid=None):
+    def _launch(self, call: Launch, stream):
         """The launch for one product, a group sharing B (Sm100GroupedGemm) or a sum of products
         into one C (Sm100SummedGemm); the prologue's arguments as Sm90Gemm._launch's."""
         t = self.tiling
+        (a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, side_args, prologue_args,
+         arrivals, grid) = call  # Launch's fields, in order
         in0, in1, in2, out1 = extras
         # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
         self.batched = cute.rank(c_groups[0].layout) == 4
@@ -131,7 +132,7 @@ class Sm100Gemm:
 
         store, load = cpasync.CopyBulkTensorTileS2GOp(), cpasync.CopyBulkTensorTileG2SOp()
         (tma_a, ta), (tma_b, tb), (tma_c, tc) = load_a(a), load_b(b), piece(store, c)
-        fused = ()  # a fused epilogue's TMA atoms and tensors: inputs loaded into C's slots, out1 stored
+        fused = ()  # a fused epilogue's (TMA atom, tensor) pairs: inputs loaded into C's slots, out1 stored
         # the epilogue's side tensors, moved by plain loads and stores (not TMA): its fp32 per-row
         # tensor, or its tables; both take one accumulator row a thread (128-row tiles stored
         # whole-height)
@@ -150,7 +151,7 @@ class Sm100Gemm:
                 in0 = in1 = None
         for x in (in0, in1, in2, out1):
             if cutlass.const_expr(x is not None):
-                fused += (*piece(store if x is out1 else load, batch_last(x)),)
+                fused += (piece(store if x is out1 else load, batch_last(x)),)
         # bytes landing in one stage of the ring per MMA tile (both CTAs of a pair)
         tx_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, None, 0)))
                     + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, None, 0)))) \
@@ -159,11 +160,11 @@ class Sm100Gemm:
             cute.append(tiled_mma.partition_shape_C(self.mma_tiler[:2]), ACCUMULATORS))
         tmem_columns = cutlass.memory.get_num_tmem_alloc_cols(accumulators)
 
-        grouped = ()  # the other products of a group: their A and C atoms and tensors (a sum: A and B)
+        grouped = ()  # the other products: ((A's atom, A), (C's atom, C)) each (a sum: A and B)
         for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
-            grouped += (*load_a(batch_last(a_g)), *load_b(batch_last(b_g)))
+            grouped += ((load_a(batch_last(a_g)), load_b(batch_last(b_g))),)
         for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
-            grouped += (*load_a(batch_last(a_g)), *piece(store, batch_last(c_g)))
+            grouped += ((load_a(batch_last(a_g)), piece(store, batch_last(c_g))),)
         self.storage = self._storage(stages, a_smem, b_smem, c_smem)
         self.stages, self.tx_bytes, self.tmem_columns = stages, tx_bytes, tmem_columns
         schedule, ctas = launch_schedule(self.prologue, self.threads, a_smem, t.spec, dp_tiles, sk_per, ctas, grid,
@@ -201,7 +202,8 @@ class Sm100Gemm:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == TMA_WARP:
-            for atom in (tma_a, tma_b, tma_c, *fused[::2], *grouped[::2]):
+            for atom in (tma_a, tma_b, tma_c, *(atom for atom, _ in fused),
+                         *(atom for product in grouped for atom, _ in product)):
                 cpasync.prefetch_descriptor(atom)
         bidx, _, _ = cute.arch.block_idx()
         pair_rank = bidx % cute.size(tiled_mma.thr_id.shape)  # V: this CTA's half of a 2-CTA MMA
@@ -261,36 +263,36 @@ class Sm100Gemm:
         # k-tiles laid end to end (where each after the first starts)
         terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
         if cutlass.const_expr(self.k_stacked):
-            for i in cutlass.range_constexpr(0, len(grouped), 4):
-                g_a_i = cute.local_tile(grouped[i + 1], cute.slice_(self.mma_tiler, (None, 0, None)),
-                                        (None, None, None))
-                g_b_i = cute.local_tile(grouped[i + 3], cute.slice_(self.mma_tiler, (0, None, None)),
-                                        (None, None, None))
-                terms.append((grouped[i], cpasync.tma_partition(
-                    grouped[i], coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
+            for i in cutlass.range_constexpr(len(grouped)):
+                (atom_a, a_i), (atom_b, b_i) = grouped[i]
+                g_a_i = cute.local_tile(a_i, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+                g_b_i = cute.local_tile(b_i, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+                terms.append((atom_a, cpasync.tma_partition(
+                    atom_a, coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
                     cute.group_modes(s_a, 0, 3), cute.group_modes(thr_mma.partition_A(g_a_i), 0, 3))[1],
-                    grouped[i + 2], cpasync.tma_partition(
-                    grouped[i + 2], coord_vmnk[1], cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape),
+                    atom_b, cpasync.tma_partition(
+                    atom_b, coord_vmnk[1], cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape),
                     cute.group_modes(s_b, 0, 3), cute.group_modes(thr_mma.partition_B(g_b_i), 0, 3))[1]))
                 k_starts.append(k_tiles)
                 k_tiles = k_tiles + cute.size(g_a_i, mode=[3])
         # A group of products: per product (A's atom, its k-tiles, C's atom, this CTA's rows of C)
         products = [(tma_a, t_ga, tma_c, c_of_cta)]
-        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
-            g_a_i = cute.local_tile(grouped[i + 1], cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
-            g_c_i = cute.local_tile(grouped[i + 3], cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
-            products.append((grouped[i], cpasync.tma_partition(
-                grouped[i], coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
+        for i in cutlass.range_constexpr(0 if self.k_stacked else len(grouped)):
+            (atom_a, a_i), (atom_c, c_i) = grouped[i]
+            g_a_i = cute.local_tile(a_i, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+            g_c_i = cute.local_tile(c_i, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
+            products.append((atom_a, cpasync.tma_partition(
+                atom_a, coord_vmnk[2], cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape),
                 cute.group_modes(s_a, 0, 3), cute.group_modes(thr_mma.partition_A(g_a_i), 0, 3))[1],
-                grouped[i + 2], thr_mma.partition_C(g_c_i)))
+                atom_c, thr_mma.partition_C(g_c_i)))
         # Cluster tiles of the schedule, in MMA tiles: cluster_m / pair MMA tiles tall; a group's
         # products stacked along M (where each after the first starts).
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m // self.pair)
         tiles_n = cute.ceil_div(cute.size(g_c, mode=[3]), t.cluster_n)
         starts = []
-        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
+        for i in cutlass.range_constexpr(0 if self.k_stacked else len(grouped)):
             starts.append(tiles_m)
-            tiles_m = tiles_m + cute.ceil_div(cute.size(grouped[i + 3], mode=[0]),
+            tiles_m = tiles_m + cute.ceil_div(cute.size(grouped[i][1][1], mode=[0]),
                                               self.mma_tiler[0] * (t.cluster_m // self.pair))
         batches = cute.size(g_c, mode=[4])  # products in a batch, their tiles laid end to end
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
@@ -469,9 +471,8 @@ class Sm100Gemm:
             return None
         tile = cute.slice_(self.mma_tiler, (None, None, 0))
         tensors = []
-        for i in range(0, len(fused), 2):
-            of_cta = thr_mma.partition_C(cute.local_tile(fused[i + 1], tile, (None, None, None)))
-            tensors.append((fused[i], of_cta))
+        for atom, x in fused:
+            tensors.append((atom, thr_mma.partition_C(cute.local_tile(x, tile, (None, None, None)))))
         inputs = len(self.epilogue.inputs)
         return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
 

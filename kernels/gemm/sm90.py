@@ -48,7 +48,7 @@ from cutlass import BFloat16, Float32, Int32
 from ...layouts.gemm import SHORT_K_INPUT_STAGES, SM90_SMEM_BYTES, WARPGROUP_THREADS as WARPGROUP, GemmTiling
 from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        quad_sum, read_slot)
-from .core import (GroupedEntry, SummedEntry, add_partial, await_partial, compile_gemm, group_tile,
+from .core import (GroupedEntry, Launch, SummedEntry, add_partial, await_partial, compile_gemm, group_tile,
                    launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
                    unit, batch_last, batch_tile, work)
 
@@ -106,41 +106,40 @@ class Sm90Gemm:
         CTA (layouts.gemm.stream_k_plan), their partial tiles through `partials` [ctas, tile
         elements] and the ready `flags` [ctas] (zero between calls). in0..in2, out1: the
         epilogue's [M, N] inputs and second output (None where it has none)."""
-        self._launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, in2, out1), stream)
+        self._launch(Launch([a], [b], [c], partials, flags, ctas, dp_tiles, sk_per, (in0, in1, in2, out1)), stream)
 
-    def _launch(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, stream,
-                side_args=None, prologue_args=None, arrivals=None, grid=None):
+    def _launch(self, call: Launch, stream):
         """The launch for one product, for a group of products sharing B (one A and one C each:
         Sm90GroupedGemm), or for a sum of products into one C (one A and one B each: Sm90SummedGemm).
         With a prologue: its arguments, the grid barrier's `arrivals` and the `grid` (CTAs, a
         whole number of clusters that the device holds at once, at least `ctas`)."""
-        args, ctas = self._arguments(a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras,
-                                     side_args, prologue_args, arrivals, grid)
+        args, ctas = self._arguments(call)
         self.kernel(*args).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster_size, 1, 1), min_blocks_per_mp=1,
             stream=stream, use_pdl=self.pdl, cooperative=self.prologue is not None)  # co-resident: a grid barrier
 
-    def _launch_pair(self, second, first_call, second_call, stream):
+    def _launch_pair(self, second, first_call: Launch, second_call: Launch, stream):
         """This product and `second` in one launch: the CTAs below this product's CTA count run
         it, the rest run `second`, whose schedule counts them from there. Both have the same
         prologue (every CTA runs it, then the grid barrier) and side job, so `second` reads what
         the prologue wrote with no second launch (the QKV backward at small T: -4 us of host time
         a call).
-        first_call, second_call: `_launch`'s arguments for each, less the stream."""
+        first_call, second_call: each product's Launch."""
         if (second.threads, second.cluster_size, self.cluster_size) != (self.threads, 1, 1) or second.prologue is None:
             raise ValueError("a launched pair needs one thread count, 1 x 1 clusters and a prologue in both")
-        args, grid = self._arguments(*first_call)
-        second_args, _ = second._arguments(*second_call)
+        args, grid = self._arguments(first_call)
+        second_args, _ = second._arguments(second_call)
         self.second = second  # pair_kernel's other branch
-        split = first_call[5]  # this product's CTAs (`ctas`): the second's start past them
-        self.pair_kernel(args, second_args, split).launch(
+        # this product's CTAs: the second's start past them
+        self.pair_kernel(args, second_args, first_call.ctas).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream,
             use_pdl=self.pdl, cooperative=True, smem_merge_branch_allocs=True)
 
-    def _arguments(self, a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras,
-                   side_args=None, prologue_args=None, arrivals=None, grid=None):
-        """(the kernel's arguments, the launch's CTAs) for `_launch`'s call."""
+    def _arguments(self, call: Launch):
+        """(the kernel's arguments, the launch's CTAs) for a Launch."""
         t = self.tiling
+        (a_groups, b_groups, c_groups, partials, flags, ctas, dp_tiles, sk_per, extras, side_args, prologue_args,
+         arrivals, grid) = call  # Launch's fields, in order
         in0, in1, in2, out1 = extras
         # [L1, L2, X, Y] tensors are a batch of products (gemm.batch_last); [X, Y] one
         self.batched = cute.rank(c_groups[0].layout) == 4
@@ -180,16 +179,17 @@ class Sm90Gemm:
             side, in0, in1 = (batch_last(in0), batch_last(in1)), None, None
         # Fused epilogues: the inputs come in by TMA loads and a second output leaves by TMA
         # stores, all through the pieces of C's shared memory (staging_buffers).
-        fused = ()
+        fused = ()  # (TMA atom, tensor) pairs
         for x in (in0, in1, in2, out1):
             if cutlass.const_expr(x is not None):
-                fused += (*piece(store if x is out1 else load, batch_last(x)),)
-        # The other products of a group: their A and C (a sum: their A and B), by TMA like the first's.
+                fused += (piece(store if x is out1 else load, batch_last(x)),)
+        # The other products of a group: ((A's atom, A), (C's atom, C)) each (a sum: A and B), by
+        # TMA like the first's.
         grouped = ()
         for a_g, b_g in zip(a_groups[1:], b_groups[1:]):
-            grouped += (*load_a(batch_last(a_g)), *load_b(batch_last(b_g)))
+            grouped += ((load_a(batch_last(a_g)), load_b(batch_last(b_g))),)
         for a_g, c_g in zip(a_groups[1:], c_groups[1:]):
-            grouped += (*load_a(batch_last(a_g)), *piece(store, batch_last(c_g)))
+            grouped += ((load_a(batch_last(a_g)), piece(store, batch_last(c_g))),)
 
         self.storage = self._storage(a_smem, b_smem, c_smem)
         schedule, ctas = launch_schedule(self.prologue, self.threads, a_smem, t.spec, dp_tiles, sk_per, ctas, grid,
@@ -238,7 +238,8 @@ class Sm90Gemm:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if warp == 0:
-            for atom in (tma_a, tma_b, tma_c, *fused[::2], *grouped[::2]):
+            for atom in (tma_a, tma_b, tma_c, *(atom for atom, _ in fused),
+                         *(atom for product in grouped for atom, _ in product)):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         cta_layout = cute.make_layout((*self.cluster, 1))  # rank in cluster -> (m, n, 0) within it
@@ -291,24 +292,26 @@ class Sm90Gemm:
         # k-tiles laid end to end (where each after the first starts)
         terms, k_starts = [(tma_a, t_ga, tma_b, t_gb)], []
         if cutlass.const_expr(self.k_stacked):
-            for i in cutlass.range_constexpr(0, len(grouped), 4):
-                g_a_i = cute.local_tile(grouped[i + 1], (t.tile_m, t.tile_k), (None, None, None))
-                g_b_i = cute.local_tile(grouped[i + 3], (t.tile_n, t.tile_k), (None, None, None))
-                terms.append((grouped[i], cute.nvgpu.cpasync.tma_partition(
-                    grouped[i], cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
-                    cute.group_modes(g_a_i, 0, 2))[1], grouped[i + 2], cute.nvgpu.cpasync.tma_partition(
-                    grouped[i + 2], cluster_coord[0], cute.make_layout(t.cluster_m), cute.group_modes(s_b, 0, 2),
+            for i in cutlass.range_constexpr(len(grouped)):
+                (atom_a, a_i), (atom_b, b_i) = grouped[i]
+                g_a_i = cute.local_tile(a_i, (t.tile_m, t.tile_k), (None, None, None))
+                g_b_i = cute.local_tile(b_i, (t.tile_n, t.tile_k), (None, None, None))
+                terms.append((atom_a, cute.nvgpu.cpasync.tma_partition(
+                    atom_a, cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
+                    cute.group_modes(g_a_i, 0, 2))[1], atom_b, cute.nvgpu.cpasync.tma_partition(
+                    atom_b, cluster_coord[0], cute.make_layout(t.cluster_m), cute.group_modes(s_b, 0, 2),
                     cute.group_modes(g_b_i, 0, 2))[1]))
                 k_starts.append(k_tiles)
                 k_tiles = k_tiles + cute.size(g_a_i, mode=[3])
         # A group of products: per product (A's TMA atom, its k-tiles, C's atom, C's tiles)
         products = [(tma_a, t_ga, tma_c, g_c)]
-        for i in cutlass.range_constexpr(0, 0 if self.k_stacked else len(grouped), 4):
-            g_a_i = cute.local_tile(grouped[i + 1], (t.tile_m, t.tile_k), (None, None, None))
-            products.append((grouped[i], cute.nvgpu.cpasync.tma_partition(
-                grouped[i], cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
-                cute.group_modes(g_a_i, 0, 2))[1], grouped[i + 2],
-                cute.local_tile(grouped[i + 3], (t.tile_m, t.tile_n), (None, None, None))))
+        for i in cutlass.range_constexpr(0 if self.k_stacked else len(grouped)):
+            (atom_a, a_i), (atom_c, c_i) = grouped[i]
+            g_a_i = cute.local_tile(a_i, (t.tile_m, t.tile_k), (None, None, None))
+            products.append((atom_a, cute.nvgpu.cpasync.tma_partition(
+                atom_a, cluster_coord[1], cute.make_layout(t.cluster_n), cute.group_modes(s_a, 0, 2),
+                cute.group_modes(g_a_i, 0, 2))[1], atom_c,
+                cute.local_tile(c_i, (t.tile_m, t.tile_n), (None, None, None))))
         # The schedule deals out cluster tiles (cluster_m x cluster_n CTA tiles); a CTA whose
         # tile lies past M or N still loads its share for its peers (TMA fills zeros, stores clip).
         tiles_m = cute.ceil_div(cute.size(g_c, mode=[2]), t.cluster_m)
@@ -363,7 +366,7 @@ class Sm90Gemm:
         if cutlass.const_expr(not self.epilogue.uses_slots):
             return None
         tile = (self.tiling.tile_m, self.tiling.tile_n)
-        tensors = [(fused[i], cute.local_tile(fused[i + 1], tile, (None, None, None))) for i in range(0, len(fused), 2)]
+        tensors = [(atom, cute.local_tile(x, tile, (None, None, None))) for atom, x in fused]
         inputs = len(self.epilogue.inputs)
         return tensors[:inputs], storage.in_full.data_ptr(), tensors[inputs:]
 
