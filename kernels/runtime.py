@@ -34,7 +34,8 @@ _compiled: dict[Hashable, Any] = {}
 @functools.lru_cache(maxsize=None)
 def device_gpu(device_index: int) -> Gpu:
     """A CUDA device's arch and SM count, what dispatch reads off it; a GPU no target is built
-    for raises RuntimeError naming it."""
+    for, or one offering a CTA less shared memory than its arch's builds assume
+    (layouts.gpus.SMEM_PER_BLOCK), raises RuntimeError naming it."""
     import torch
 
     props = torch.cuda.get_device_properties(device_index)
@@ -43,7 +44,12 @@ def device_gpu(device_index: int) -> Gpu:
         supported = ", ".join(f"{major}.{minor} ({target})" for (major, minor), target in ARCH_OF_CAPABILITY.items())
         raise RuntimeError(f"cutebwd kernels are built for compute capabilities {supported}; device {device_index}, "
                            f"{props.name}, is {props.major}.{props.minor}")
-    return Gpu(props.name, arch, props.multi_processor_count)
+    gpu = Gpu(props.name, arch, props.multi_processor_count)
+    offered = getattr(props, "shared_memory_per_block_optin", gpu.smem_per_block)  # torch >= 2.4 has it
+    if offered < gpu.smem_per_block:
+        raise RuntimeError(f"device {device_index}, {props.name}, offers {offered} bytes of shared memory a CTA; "
+                           f"the {arch} builds need {gpu.smem_per_block}")
+    return gpu
 
 
 def device_arch(device_index: int) -> str:

@@ -13,10 +13,10 @@ import os
 import re
 from pathlib import Path
 
-from .gpus import Gpu
+from .gpus import SMEM_PER_BLOCK, Gpu
 
-SM90_SMEM_BYTES = 232448 - 1024  # per CTA, minus the pipeline barriers and alignment slack
-SM100_SMEM_BYTES = SM90_SMEM_BYTES  # B200: the same 227 KB per CTA
+SM90_SMEM_BYTES = SMEM_PER_BLOCK["sm_90a"] - 1024  # per CTA, minus the pipeline barriers and alignment slack
+SM100_SMEM_BYTES = SMEM_PER_BLOCK["sm_100a"] - 1024
 WARPGROUP_THREADS = 128
 # A fused product with K up to SHORT_K is epilogue-bound: its epilogue inputs load this many
 # pieces ahead (default_tiling).

@@ -184,3 +184,15 @@ def test_dispatch_audit(gpu):
     results = audit.run_dispatch_audit([gpu], progress=lambda message: None, jobs=os.cpu_count())
     print(audit.dispatch_summary(results))
     assert results and not [(r["kernel"], r["violations"]) for r in results if r["violations"]]
+
+
+def test_a_gpu_offering_less_shared_memory_than_its_builds_assume_is_refused(monkeypatch):
+    props = _props("GPU", 9, 0)
+    props.shared_memory_per_block_optin = Gpu("GPU", "sm_90a", 132).smem_per_block - 1024
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    runtime.device_gpu.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="offers .* bytes of shared memory a CTA; the sm_90a builds need"):
+            runtime.device_gpu(0)
+    finally:
+        runtime.device_gpu.cache_clear()

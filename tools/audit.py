@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from cutebwd.layouts import gpus
+
 # The arches audited (the DSL also builds sm_103a, the B300's target: tests/test_dispatch.py
 # compiles a sample for it).
 ARCHES = ("sm_90a", "sm_100a")
@@ -50,9 +52,9 @@ FAMILIES = ("HGMMA", "UTCMMA", "UTMALDG", "UTMASTG", "LDTM", "STTM", "LDG.128", 
 # Hardware limits (CUDA C++ Programming Guide, technical specifications for compute capability
 # 9.0 and 10.0). A build over one of them compiles here and fails at launch on the GPU.
 MAX_REGISTERS_PER_THREAD = 255
-# Shared memory per CTA, static + dynamic: 228 KB per SM less the 1 KB the system reserves per
-# CTA (cudaDevAttrMaxSharedMemoryPerBlockOptin; the DSL's own check uses the same figure).
-MAX_SMEM_BYTES = {"sm_90a": 227 * 1024, "sm_100a": 227 * 1024, "sm_103a": 227 * 1024}
+# Shared memory per CTA, static + dynamic: the arch's table (layouts.gpus; the DSL's own check
+# uses the same figure).
+MAX_SMEM_BYTES = gpus.SMEM_PER_BLOCK
 SMEM_RESERVED_BYTES = 1024  # that reservation; ptxas counts it into the cubin's static size
 # Tensor memory (Blackwell only): 512 columns x 128 lanes per SM; tcgen05.alloc takes a power
 # of two from 32 to 512 columns.
@@ -61,7 +63,7 @@ MIN_TMEM_COLUMNS = 32
 # CTAs per cluster. 16 launch only with the non-portable opt-in (the DSL sets it on every
 # kernel) and only on some parts, so anything above the portable 8 counts as a violation, unless
 # the kernel's declaration raises it ("max_cluster_ctas") because its op asks the driver first.
-MAX_CLUSTER_CTAS = 8
+MAX_CLUSTER_CTAS = gpus.MAX_CLUSTER_CTAS
 
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -327,10 +329,12 @@ def _ctas(cluster) -> int:
     return cluster[0] * cluster[1] * cluster[2]
 
 
-def limit_violations(result: dict, max_cluster_ctas: int = MAX_CLUSTER_CTAS) -> list[str]:
-    """Where a build exceeds the hardware's per-CTA limits for its arch, or where a figure
-    cannot be read (so cannot be checked)."""
+def limit_violations(result: dict, max_cluster_ctas: int | None = None) -> list[str]:
+    """Where a build exceeds the hardware's per-CTA limits for its arch (a cluster limit other
+    than the arch's portable one where given), or where a figure cannot be read (so cannot be
+    checked)."""
     arch, problems = result["arch"], []
+    max_cluster_ctas = max_cluster_ctas or MAX_CLUSTER_CTAS[arch]
     for kernel, r in result["resources"].items():
         if r.get("registers", 0) > MAX_REGISTERS_PER_THREAD:
             problems.append(f"{kernel}: {r['registers']} registers per thread > {MAX_REGISTERS_PER_THREAD}")
@@ -379,7 +383,7 @@ def violations(result: dict, expects: dict) -> list[str]:
 
 def build_problems(result: dict, expects: dict) -> list[str]:
     """Everything wrong with one build: against its declaration and against the hardware limits."""
-    allowed = expects.get(result["arch"], {}).get("max_cluster_ctas", MAX_CLUSTER_CTAS)
+    allowed = expects.get(result["arch"], {}).get("max_cluster_ctas")
     return violations(result, expects) + limit_violations(result, allowed)
 
 
