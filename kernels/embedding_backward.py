@@ -507,14 +507,15 @@ class _Entry:
 
 
 class _Workspace(runtime.StreamWorkspace):
-    """Per stream: the workspace, a view of its id status element, and where on-chip sorts
-    leave the sorted ids for the fix-up (the index passes' buffers: id_radix.Workspace)."""
+    """Per stream: the workspace (its last row's first element the id status, which only the
+    kernels read), and where on-chip sorts leave the sorted ids for the fix-up (the index
+    passes' buffers: id_radix.Workspace)."""
 
     def _new(self):
         import torch
 
         buffer = super()._new()
-        return buffer, buffer[-1, 0], torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device)
+        return buffer, torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device)
 
 
 _entries: dict = {}
@@ -602,7 +603,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
             table.zero_()
         grad_norm_weight.zero_()
         return out
-    workspace, _, sorted_on_chip = entry.workspace.get()
+    workspace, sorted_on_chip = entry.workspace.get()
     ctas, grid = _split(tokens, entry.max_ctas, accumulate)
     poison = int(own)
     try:

@@ -36,10 +36,8 @@ class _Record:
         self.code = ctypes.c_int64.from_address(self.host.data_ptr())
         self.index = device_index
 
-    def take(self):
-        """The recorded error as a ValueError (clearing the record), or None."""
-        if self.code.value == 0:
-            return None
+    def take(self) -> ValueError:
+        """The recorded error as a ValueError, clearing the record (its code is set)."""
         code, smallest, largest, vocab = self.host.tolist()
         self.code.value = 0
         return ValueError(
@@ -93,7 +91,4 @@ def check_errors(device=None) -> None:
         indices = [torch.cuda.current_device() if device.index is None else device.index]
     for index in indices:
         torch.cuda.synchronize(index)
-        entry = _records.get(index)
-        error = entry.take() if entry is not None else None
-        if error is not None:
-            raise error
+        raise_pending(index)
