@@ -24,9 +24,10 @@ With bad ids a caller's outputs are left untouched and the call's own are filled
 The host learns of the error at its next call (errors.raise_pending), or at once with
 check_ids="now", which synchronizes.
 
-Fresh tables are written whole by the row kernel, each row once: beside its own writes every
-CTA zeroes the rows of an even cut of [0, V) that no sorted id touches (a walk of the sorted
-ids), so no fill precedes the kernels and nothing depends on the verdict being known early.
+Fresh tables are written whole by the row kernel, each row once: after its walk every CTA
+zeroes the rows of an even cut of [0, V) that no sorted id touches (marked in shared memory
+from the sorted ids), so no fill precedes the kernels and nothing depends on the verdict being
+known early.
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
@@ -52,7 +53,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int8, Int32, Int64, Uint32
 
 from . import errors, id_radix, runtime
 from .segment_fixup import SegmentFixup, ids_in_range, range_start
@@ -69,6 +70,17 @@ CTAS_PER_SM = 2  # 256 threads x 128 registers
 # CTAs per SM share the shared memory; H = 4096 gets 3 stages (96 KB with accumulate).
 RING_BYTES = 104 * 1024
 MAX_STAGES = 3
+# Ids sorted beforehand are read through a shared-memory window of `threads` sorted positions
+# (ids and tokens, one load a thread), moved on every threads - WINDOW_MARGIN positions: the
+# loop's lookups (the token ahead, where a segment ends) cost no global round trip. The margin
+# covers the ring's lookahead.
+WINDOW_MARGIN = 8
+# A fresh table's rows are cut evenly over the grid; each CTA marks the rows its share of the
+# sorted ids touches in shared memory (a byte a row), so a CTA takes at most FILL_ROWS rows.
+FILL_ROWS = 4096
+# Marking a CTA's rows scans their sorted positions, in at most MARK_SCAN_ROUNDS loads a
+# thread; more positions (an id repeated over many tokens) take a search per row instead.
+MARK_SCAN_ROUNDS = 4
 
 
 class EmbeddingRmsNormBackward:
@@ -137,8 +149,8 @@ class EmbeddingRmsNormBackward:
                m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, ctas: Int32, poison: Int32):
         """CTAs [0, ctas) walk ranges of the sorted positions (at least one each); every CTA of
         the grid fills its share of a fresh table, so a short call still fills with the whole
-        GPU. (CTAs of their own for the fill beside a short walk measured slower: 1024 tokens
-        160 against 157 us, 4096 tokens 208 against 193, H200.)"""
+        GPU. The fill's rows go out a few after each walked position: their stores overlap the
+        walk's loads instead of following them."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, warp = tidx % 32, tidx // 32
@@ -174,6 +186,15 @@ class EmbeddingRmsNormBackward:
             hi = lo  # no rows, so no table writes (partials go to the workspace only)
 
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), byte_alignment=16)
+        # The sorted ids and tokens the loop reads, in shared memory: the on-chip sort's own, or
+        # a window onto the global ones (window position = sorted position - base).
+        ids_window, order_window, base = m_sorted, m_order, Int32(0)
+        if cutlass.const_expr(m_ids is None):
+            ids_window = smem.allocate_tensor(Int32, cute.make_layout(threads), byte_alignment=16)
+            order_window = smem.allocate_tensor(Int32, cute.make_layout(threads), byte_alignment=16)
+            base = lo
+            _stage_window(m_sorted, m_order, base, ids_window, order_window, tidx)
+            cute.arch.barrier()
 
         # The first segment began in an earlier range: its sum here is a head partial.
         head = Int32(0)
@@ -191,34 +212,32 @@ class EmbeddingRmsNormBackward:
             fetches = cp_async_atoms()
             for j in cutlass.range_constexpr(ring - 1):
                 if lo + j < hi:
-                    self.fetch(fetches, m_go, m_x, m_rstd, m_table, m_sorted, Int32(m_order[lo + j]), lo + j,
-                               rows_ring, rstd_ring, j, tidx)
+                    self.fetch(fetches, m_go, m_x, m_rstd, m_table, ids_window, Int32(order_window[lo + j - base]),
+                               lo + j - base, rows_ring, rstd_ring, j, tidx)
                 cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(not self.accumulate):
-            # A fresh table is written whole, each row once (no fill beforehand), with the
-            # ring's first rows in flight: the rows no id touches get zeros; bad ids leave a
-            # caller's table alone and fill the call's own with NaN.
-            grid, _, _ = cute.arch.grid_dim()
-            if in_range == 1:
-                self.fill_rows(m_table, m_sorted, Int32(1), Float32(0.0), bidx, grid, tidx)
-            elif poison == 1:
-                self.fill_rows(m_table, m_sorted, Int32(0), Float32(float("nan")), bidx, grid, tidx)
+        advance = threads - WINDOW_MARGIN
         for p in cutlass.range(lo, hi):
+            if cutlass.const_expr(m_ids is None):
+                if p - base == advance:
+                    cute.arch.barrier()  # every thread is done with the window's first `advance` positions
+                    base = p
+                    _stage_window(m_sorted, m_order, base, ids_window, order_window, tidx)
+                    cute.arch.barrier()
             if cutlass.const_expr(ring > 0):
                 ahead = p + ring - 1
                 token_ahead = Int32(0)
                 if ahead < hi:
-                    token_ahead = Int32(m_order[ahead])  # in flight while row p is computed
+                    token_ahead = Int32(order_window[ahead - base])
                 cute.arch.cp_async_wait_group(ring - 2)  # position p's group has landed
                 slot = (p - lo) % ring
                 rstd = rstd_ring[tidx, slot]
                 read_row(loads, (rows_ring[0][None, slot], rows_ring[1][None, slot]), (g, xs), tidx, threads, vpt,
                          vectors)
             else:
-                token = Int32(m_order[p])
+                token = Int32(order_window[p - base])
                 rstd = m_rstd[token]
                 read_row(loads, (m_go[token, None], m_x[token, None]), (g, xs), tidx, threads, vpt, vectors)
-            vid = m_sorted[p]
+            vid = ids_window[p - base]
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
                 gk, xk = g[None, k].load(), xs[None, k].load()
@@ -228,7 +247,7 @@ class EmbeddingRmsNormBackward:
             for k in cutlass.range_constexpr(vpt):
                 dx = rstd * (g[None, k].load() * norm_weight[None, k].load() - xs[None, k].load() * scale)
                 segment[None, k].store(segment[None, k].load() + dx)
-            ends = _segment_ends(m_sorted, p)
+            ends = _segment_ends(ids_window, p - base)
             if ends == 1:
                 if head == 1:
                     store_row(loads[1], segment, m_carry[2 * bidx, None], tidx, threads, vpt, vectors)
@@ -244,8 +263,8 @@ class EmbeddingRmsNormBackward:
             if cutlass.const_expr(ring > 0):
                 # The slot refilled here held position p - 1, which this thread has already read.
                 if ahead < hi:
-                    self.fetch(fetches, m_go, m_x, m_rstd, m_table, m_sorted, token_ahead, ahead, rows_ring,
-                               rstd_ring, (ahead - lo) % ring, tidx)
+                    self.fetch(fetches, m_go, m_x, m_rstd, m_table, ids_window, token_ahead, ahead - base,
+                               rows_ring, rstd_ring, (ahead - lo) % ring, tidx)
                 cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per position
         # The last segment goes on past this range: hand its sum on as a partial.
         if hi < tokens and hi > lo:
@@ -253,81 +272,177 @@ class EmbeddingRmsNormBackward:
                 store_row(loads[1], segment, m_carry[2 * bidx + 1 - head, None], tidx, threads, vpt, vectors)
         if bidx < ctas:
             store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
+        if cutlass.const_expr(not self.accumulate):
+            # A fresh table is written whole, each row once (no fill beforehand): after its walk
+            # each CTA fills its share of the rows no id touches (fill_plan). After the walk, so
+            # CTAs with short walks fill while others still walk (design-embedding.md).
+            first, rows, touched, value = self.fill_plan(smem, m_table, m_sorted, in_range, poison, bidx, tidx)
+            self.fill(m_table, touched, first, rows, value, tidx)
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def fill_rows(self, m_table, m_sorted, untouched_only: Int32, value: Float32, bidx, ctas, tidx):
-        """Writes `value` into the rows of this CTA's share of the table (an even cut of
-        [0, V)), or with `untouched_only` into those of its rows no sorted id touches: a walk
-        of the sorted ids beside the rows, holding the next id in a register (one compare a
-        row; a search past a touched row's repeats), so no bitmap is needed."""
-        # One bf16 vector of `value` (not a row's worth of fp32 registers: this runs beside the
-        # walk's live rows, and sm_100a spilled with them).
+    def fill_plan(self, smem, m_table, m_sorted, in_range, poison, bidx, tidx):
+        """-> (first, rows, touched, value): this CTA's share of a fresh table (rows first +
+        [0, rows) of an even cut of [0, V)), a bit per row set where a sorted id touches it,
+        and what the untouched rows get: zeros, or NaN for bad ids in the call's own table (a
+        caller's gets nothing: rows = 0)."""
+        grid, _, _ = cute.arch.grid_dim()
+        first = range_start(bidx, m_table.shape[0], grid)
+        rows = range_start(bidx + 1, m_table.shape[0], grid) - first
+        value = Float32(0.0)
+        if in_range == 0:
+            value = Float32(float("nan"))
+            if poison == 0:
+                rows = Int32(0)
+        marks = smem.allocate_tensor(Int8, cute.make_layout(FILL_ROWS), byte_alignment=16)
+        touched = smem.allocate_tensor(Uint32, cute.make_layout(FILL_ROWS // 32), byte_alignment=16)
+        bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        self.mark_touched(marks, bounds, m_sorted, in_range, first, rows, tidx)
+        # The marks as bits, a word per 32 rows: the row loop reads shared memory once a word.
+        for w in cutlass.range(tidx, (rows + 31) // 32, self.threads):
+            bits = Uint32(0)
+            for b in cutlass.range_constexpr(32):
+                if marks[32 * w + b] != 0:
+                    bits = bits | Uint32(1 << b)
+            touched[w] = bits
+        cute.arch.barrier()
+        return first, rows, touched, value
+
+    @cute.jit
+    def fill(self, m_table, touched, first, rows, value, tidx):
+        """Every thread: `value` into its vectors of the rows first + [0, rows) left untouched."""
+        # One bf16 vector of the value (not a row's worth of registers).
         wide = cute.make_rmem_tensor((VECTOR,), Float32)
         wide.fill(value)
         values = cute.make_rmem_tensor((VECTOR,), BFloat16)
         values.store(wide.load().to(BFloat16))
         atom, threads, vectors = wide_copy(BFloat16), self.threads, self.hidden // VECTOR
-        rows = m_table.shape[0]
-        first, last = range_start(bidx, rows, ctas), range_start(bidx + 1, rows, ctas)
-        tokens = cute.size(m_sorted) * untouched_only  # no ids: every row
-        position = _lower_bound(m_sorted, Int32(0), tokens, first)
-        next_id = _id_at(m_sorted, position, tokens)
-        for r in cutlass.range(first, last):
-            if next_id == r:
-                position = _lower_bound(m_sorted, position + 1, tokens, r + 1)
-                next_id = _id_at(m_sorted, position, tokens)
-            else:
+        bits = touched[0]
+        for r in cutlass.range(rows):
+            if r % 32 == 0:
+                bits = touched[r // 32]
+            if (bits >> Uint32(r % 32)) & Uint32(1) == Uint32(0):
                 for k in cutlass.range_constexpr(self.vectors_per_thread):
                     if tidx + k * threads < vectors:
-                        cute.copy(atom, values, vector(m_table[r, None], tidx + k * threads))
+                        cute.copy(atom, values, vector(m_table[first + r, None], tidx + k * threads))
 
     @cute.jit
-    def fetch(self, fetches, m_go, m_x, m_rstd, m_table, m_sorted, token, p, rows_ring, rstd_ring, slot, tidx):
-        """cp.async sorted position p's rows into ring slot `slot`: this thread's vectors of the
-        token's grad_output and hidden_states rows, its own copy of the token's rstd and, with
-        accumulate, the table row of p's id where p ends its segment (read-add-write there)."""
+    def mark_touched(self, marks, bounds, m_sorted, in_range, first, rows, tidx):
+        """marks[r] = 1 where row first + r (r < rows) is a sorted id, else 0 (all 0 with bad
+        ids). The sorted positions of the rows (_sorted_span), then one mark per id; where those
+        are many (one id on many tokens), a search per row instead."""
+        for r in cutlass.range(tidx, (rows + 31) // 32 * 32, self.threads):  # whole words
+            marks[r] = Int8(0)
+        if in_range == 1:
+            start, end = _sorted_span(m_sorted, first, first + rows, bounds, tidx, self.threads)
+            if end - start <= MARK_SCAN_ROUNDS * self.threads:
+                for i in cutlass.range(start + tidx, end, self.threads):
+                    vid = m_sorted[i]
+                    run_start = Int32(1)  # one writer a mark: the id's first position
+                    if i > start:
+                        if m_sorted[i - 1] == vid:
+                            run_start = Int32(0)
+                    if run_start == 1:
+                        marks[vid - first] = Int8(1)
+            else:
+                for r in cutlass.range(tidx, rows, self.threads):
+                    i = _lower_bound(m_sorted, start, end, first + r)
+                    if i < end:
+                        if m_sorted[i] == first + r:
+                            marks[r] = Int8(1)
+        cute.arch.barrier()
+
+    @cute.jit
+    def fetch(self, fetches, m_go, m_x, m_rstd, m_table, ids, token, j, rows_ring, rstd_ring, slot, tidx):
+        """cp.async the rows of the sorted position at `ids` index j into ring slot `slot`: this
+        thread's vectors of the token's grad_output and hidden_states rows, its own copy of the
+        token's rstd and, with accumulate, the table row of the position's id where it ends its
+        segment (read-add-write there)."""
         fetch_row(fetches, (m_go[token, None], m_x[token, None]), rows_ring, slot, tidx, self.threads,
                   self.vectors_per_thread, self.hidden // VECTOR)
         cute.copy(fetches[2], element(m_rstd, token), element(rstd_ring[tidx, None], slot))
         if cutlass.const_expr(self.accumulate):
-            if _segment_ends(m_sorted, p) == 1:
-                fetch_row(fetches, (m_table[Int32(m_sorted[p]), None],), rows_ring[2:], slot, tidx, self.threads,
+            if _segment_ends(ids, j) == 1:
+                fetch_row(fetches, (m_table[Int32(ids[j]), None],), rows_ring[2:], slot, tidx, self.threads,
                           self.vectors_per_thread, self.hidden // VECTOR)
 
 
 @cute.jit
+def _stage_window(m_sorted, m_order, base, ids_window, order_window, tidx):
+    """Window position tidx = sorted position base + tidx: its id and token (past the last
+    position, id -2, which no id equals, so the last segment ends where it should)."""
+    vid, token = Int32(-2), Int32(0)
+    if base + tidx < cute.size(m_sorted):
+        vid = m_sorted[base + tidx]
+        token = Int32(m_order[base + tidx])
+    ids_window[tidx] = vid
+    order_window[tidx] = token
+
+
+@cute.jit
+def _sorted_span(m_sorted, first, last, bounds, tidx, threads: cutlass.Constexpr):
+    """(start, end): the sorted positions whose ids lie in [first, last). Two lower-bound
+    searches run together, each round narrowing `threads`-fold (two rounds up to 65536 tokens
+    at 256 threads): a CTA waits a few rounds of parallel loads, not log2(T) dependent ones.
+    `bounds`: four shared Int32 (each search's [low, high])."""
+    if tidx == 0:
+        bounds[0], bounds[1] = Int32(0), Int32(cute.size(m_sorted))
+        bounds[2], bounds[3] = Int32(0), Int32(cute.size(m_sorted))
+    cute.arch.barrier()
+    low_a, high_a, low_b, high_b = bounds[0], bounds[1], bounds[2], bounds[3]
+    while (high_a - low_a) + (high_b - low_b) > 0:
+        cute.arch.barrier()  # every thread has read the bounds before they move
+        _narrow(m_sorted, first, low_a, high_a, bounds, 0, tidx, threads)
+        _narrow(m_sorted, last, low_b, high_b, bounds, 2, tidx, threads)
+        cute.arch.barrier()
+        low_a, high_a, low_b, high_b = bounds[0], bounds[1], bounds[2], bounds[3]
+    return low_a, low_b
+
+
+@cute.jit
 def _lower_bound(m_sorted, low, high, value) -> Int32:
-    """The first position in [low, high) whose sorted id is >= value (high if none): a look at
-    `low` first, which settles the common case (ids without repeats) in one load."""
-    if low < high:
-        if m_sorted[low] < value:
-            low = low + 1
-            while low < high:
-                middle = (low + high) // 2
-                if m_sorted[middle] < value:
-                    low = middle + 1
-                else:
-                    high = middle
+    """The first position in [low, high) whose sorted id is >= value (high if none)."""
+    while low < high:
+        middle = (low + high) // 2
+        if m_sorted[middle] < value:
+            low = middle + 1
+        else:
+            high = middle
     return low
 
 
 @cute.jit
-def _id_at(m_sorted, position, tokens) -> Int32:
-    """The sorted id at `position`, or one above every row index past the end."""
-    found = Int32(2**31 - 1)
-    if position < tokens:
-        found = m_sorted[position]
-    return found
+def _narrow(m_sorted, value, low, high, bounds, at: cutlass.Constexpr, tidx, threads: cutlass.Constexpr):
+    """One round of a k-ary lower bound (the first position whose id is >= value), known to lie
+    in [low, high]: thread t looks at i = low + t * step. The one thread whose id is below
+    `value` while its next look (i + step, or high) is not narrows the bounds to (i, i + step];
+    where no id is below, thread 0 settles on `low`."""
+    if high > low:
+        step = (high - low + threads - 1) // threads
+        i = low + tidx * step
+        if i < high:
+            if m_sorted[i] < value:
+                j = i + step
+                next_below = Int32(0)
+                if j < high:
+                    if m_sorted[j] < value:
+                        next_below = Int32(1)
+                if next_below == 0:
+                    bounds[at] = i + 1
+                    bounds[at + 1] = cutlass.min(j, high)
+            else:
+                if tidx == 0:
+                    bounds[at + 1] = low
 
 
 @cute.jit
-def _segment_ends(m_sorted, p) -> Int32:
-    """1 when sorted position p is the last of its id's segment."""
+def _segment_ends(ids, j) -> Int32:
+    """1 when the sorted position at index j of `ids` (the sorted ids or a window onto them) is
+    the last of its segment."""
     ends = Int32(1)
-    if p + 1 < cute.size(m_sorted):
-        if m_sorted[p + 1] == m_sorted[p]:
+    if j + 1 < cute.size(ids):
+        if ids[j + 1] == ids[j]:
             ends = Int32(0)
     return ends
 
@@ -520,17 +635,22 @@ class _Workspace(runtime.StreamWorkspace):
 
 _entries: dict = {}
 CHECK_IDS = ("deferred", "now")
-# Walking CTAs take at least TOKENS_PER_CTA sorted positions each: fewer, fuller CTAs make the
-# fix-up's grid and the weight partials smaller (accumulate at 1024 tokens: 24.1 us a call
-# against 27.3 with one position a CTA, H200).
+# Walking CTAs take at least TOKENS_PER_CTA sorted positions each (SMALL_CALL_TOKENS_PER_CTA
+# below SMALL_CALL_TOKENS): fewer, fuller CTAs make the fix-up's grid and the weight partials
+# smaller, shorter walks finish sooner. Accumulate calls, us a call at 2 / 4 / 8 / 16 positions
+# a CTA (H200): 256 tokens 14.3 / 15.9 / 17.1 / 26.8, 512 tokens 16.6 / 14.3 / 19.6 / 29.6,
+# 1024 tokens 26.4 / 26.2 / 23.9 / 32.8.
 TOKENS_PER_CTA = 8
+SMALL_CALL_TOKENS, SMALL_CALL_TOKENS_PER_CTA = 1024, 4
 
 
-def _split(tokens: int, max_ctas: int, accumulate: bool):
+def _split(tokens: int, vocab_size: int, max_ctas: int, accumulate: bool):
     """(walking CTAs, grid) of a call (EmbeddingRmsNormBackward.kernel): a fresh table is
-    filled by max_ctas CTAs whatever the token count."""
-    walkers = min(-(-tokens // TOKENS_PER_CTA), max_ctas)
-    return walkers, walkers if accumulate else max_ctas
+    filled by max_ctas CTAs whatever the token count, more where a CTA's share of the rows
+    would pass FILL_ROWS."""
+    per_cta = SMALL_CALL_TOKENS_PER_CTA if tokens < SMALL_CALL_TOKENS else TOKENS_PER_CTA
+    walkers = min(-(-tokens // per_cta), max_ctas)
+    return walkers, walkers if accumulate else max(max_ctas, -(-vocab_size // FILL_ROWS))
 
 
 def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm_weight, *, vocab_size=65536,
@@ -604,7 +724,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
         grad_norm_weight.zero_()
         return out
     workspace, sorted_on_chip = entry.workspace.get()
-    ctas, grid = _split(tokens, entry.max_ctas, accumulate)
+    ctas, grid = _split(tokens, vocab_size, entry.max_ctas, accumulate)
     poison = int(own)
     try:
         if tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB:

@@ -7,7 +7,7 @@ from cutlass import Int32, Int64
 
 from cutebwd import embedding_rmsnorm_backward as kernel
 from cutebwd.kernels import id_radix
-from cutebwd.kernels.embedding_backward import SORT_ON_CHIP_MAX_TOKENS
+from cutebwd.kernels.embedding_backward import FILL_ROWS, SORT_ON_CHIP_MAX_TOKENS
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import WORKLOADS
 from cutebwd.tools.parity import FILLS, assert_problem, check_problem
@@ -64,6 +64,14 @@ def test_int32_ids_and_a_vocabulary_of_17():
 def test_other_hidden_sizes(hidden):
     dims = {"vocab": 1000, "hidden": hidden}
     check_problem(PROBLEM, kernel, 3, 211, dims=dims, kernel_options={"vocab_size": 1000})
+
+
+@pytest.mark.gpu
+def test_a_vocabulary_too_big_for_one_fill_per_cta():
+    """More than FILL_ROWS rows for each of the 2 x SMs CTAs: the fresh table's fill takes a
+    bigger grid, every row still written once."""
+    vocab = 2 * torch.cuda.get_device_properties(0).multi_processor_count * FILL_ROWS + 1234
+    check_problem(PROBLEM, kernel, 2, 1500, dims={"vocab": vocab, "hidden": 8}, kernel_options={"vocab_size": vocab})
 
 
 @pytest.mark.gpu
