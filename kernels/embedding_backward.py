@@ -56,6 +56,7 @@ import cutlass.memory
 from cutlass import BFloat16, Float32, Int8, Int32, Int64, Uint32
 
 from . import errors, id_radix, runtime
+from .calls import KEY_ERRORS, CallCache
 from .segment_fixup import SegmentFixup, ids_in_range, range_start
 from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys, sort_ids
 from .id_sort import report_bad_raw_ids
@@ -633,7 +634,20 @@ class _Workspace(runtime.StreamWorkspace):
         return buffer, torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device)
 
 
-_entries: dict = {}
+def _call_key(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate):
+    _, _, hidden = grad_output.shape
+    return hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype, grad_output.get_device()
+
+
+def _check_call(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate):
+    _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)
+
+
+def _new_entry(key, grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate):
+    return _Entry(key[0], key[1], input_ids.dtype, norm_weight.dtype, grad_output.device)
+
+
+_calls = CallCache(_call_key, _check_call, _new_entry)
 CHECK_IDS = ("deferred", "now")
 # Walking CTAs take at least TOKENS_PER_CTA sorted positions each (SMALL_CALL_TOKENS_PER_CTA
 # below SMALL_CALL_TOKENS): fewer, fuller CTAs make the fix-up's grid and the weight partials
@@ -690,18 +704,13 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
 
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into an existing table: pass out=(grad_embed_weight, grad_norm_weight)")
+    call = (grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate)
     try:
-        batch, seq, hidden = grad_output.shape
-        key = (hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype, grad_output.get_device())
-        entry = _entries[key]
-    except (AttributeError, TypeError, ValueError, KeyError):
-        _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)
-        batch, seq, hidden = grad_output.shape
-        device = grad_output.device
-        key = (hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype, device.index)
-        entry = _entries.setdefault(key, _Entry(hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype,
-                                                device))
-    errors.raise_pending(key[-1])
+        entry = _calls[_call_key(*call)]
+    except KEY_ERRORS:
+        entry = _calls.first_call(*call)
+    errors.raise_pending(entry.device.index)
+    batch, seq, hidden = grad_output.shape
     if check_ids not in CHECK_IDS:
         raise ValueError(f"check_ids: expected one of {CHECK_IDS}, got {check_ids!r}")
     tokens = batch * seq
@@ -743,7 +752,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
         raise
     if check_ids == "now":
         torch.cuda.current_stream(entry.device).synchronize()
-        errors.raise_pending(key[-1])
+        errors.raise_pending(entry.device.index)
     return out
 
 

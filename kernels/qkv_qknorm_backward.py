@@ -39,6 +39,7 @@ from cutlass import BFloat16, Float32, Int32
 from ..layouts.gemm import GemmTiling, default_tiling
 from ..layouts.gpus import GPUS, Gpu
 from . import errors, runtime
+from .calls import KEY_ERRORS, CallCache
 from .gemm import MAIN_LOOPS
 from .gemm.core import BARRIER_WORDS, Launch
 from .gemm.dispatch import Call, device_gpu
@@ -361,8 +362,7 @@ class _Plan:
                                                paired=idle is not None))
 
 
-_entries: dict = {}  # (head_dim, q heads, device index) -> _Entry
-_plans: dict = {}  # (hidden_states' shape, q heads, head_dim, device index) -> _Plan
+_entries: dict = {}  # (head_dim, q heads, device index) -> _Entry, shared by the plans of its shapes
 
 OUTPUT_NAMES = ("grad_hidden_states", "grad_q_weight", "grad_k_weight", "grad_v_weight", "grad_q_norm_weight",
                 "grad_k_norm_weight")
@@ -456,9 +456,9 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
     inputs = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
               k_norm_weight, q_rstd, k_rstd, q_normed, k_normed)
     try:
-        plan = _plans[hidden_states.shape, grad_query.shape[1], grad_query.shape[3], hidden_states.get_device()]
-    except (AttributeError, IndexError, TypeError, KeyError):
-        plan = _new_plan(inputs)  # a new shape or device: full checks first
+        plan = _plans[_plan_key(*inputs)]
+    except KEY_ERRORS:
+        plan = _plans.first_call(*inputs)  # a new shape or device: full checks first
     errors.raise_pending(plan.entry.device.index)
     if not (type(out) is tuple and len(out) == 6):
         out = _outputs(out, hidden_states, q_weight, k_weight, v_weight, plan.entry.head_dim,
@@ -488,16 +488,22 @@ def qkv_qknorm_backward(grad_query, grad_key, grad_value, hidden_states, q_weigh
     return out
 
 
-def _new_plan(inputs):
-    """A new (shape, device): full checks, then the build and schedules for it."""
-    _check_inputs(*inputs)
-    grad_query, hidden_states = inputs[0], inputs[3]
-    q_heads, head_dim, device = grad_query.shape[1], grad_query.shape[3], hidden_states.device
-    entry = _entries.get((head_dim, q_heads, device.index))
+def _plan_key(grad_query, grad_key, grad_value, hidden_states, *rest):
+    """(hidden_states' shape, q heads, head_dim, device index)."""
+    return hidden_states.shape, grad_query.shape[1], grad_query.shape[3], hidden_states.get_device()
+
+
+def _new_plan(key, grad_query, grad_key, grad_value, hidden_states, *rest):
+    """The build and schedules for a new (shape, device), on checked arguments; the entry of its
+    (head_dim, q heads, device) is shared."""
+    shape, q_heads, head_dim, device_index = key
+    entry = _entries.get((head_dim, q_heads, device_index))
     if entry is None:
-        entry = _entries[head_dim, q_heads, device.index] = _Entry(head_dim, q_heads, device)
-    plan = _plans[hidden_states.shape, q_heads, head_dim, device.index] = _Plan(entry, *hidden_states.shape)
-    return plan
+        entry = _entries[head_dim, q_heads, device_index] = _Entry(head_dim, q_heads, hidden_states.device)
+    return _Plan(entry, *shape)
+
+
+_plans = CallCache(_plan_key, _check_inputs, _new_plan)
 
 
 def _explain(inputs, out):

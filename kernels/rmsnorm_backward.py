@@ -41,6 +41,7 @@ import cutlass.memory
 from cutlass import BFloat16, Float32, Int32
 
 from . import errors, runtime
+from .calls import KEY_ERRORS, CallCache
 from .column_sum import ColumnSum
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
                    load_remote_vector, read_row, ring_stages, row_sum, rows_view, thread_split, vector, wide_copy)
@@ -473,7 +474,16 @@ class _ZeroedWorkspace(runtime.StreamWorkspace):
         return super()._new()[0].zero_()
 
 
-_entries: dict = {}
+def _call_key(grad_output, x, normalized, rstd, weight):
+    _, _, hidden = grad_output.shape
+    return hidden, normalized is None, grad_output.get_device()
+
+
+def _new_entry(key, grad_output, x, normalized, rstd, weight):
+    return _Entry(key[0], normalized is not None, grad_output.device)
+
+
+_calls = CallCache(_call_key, _check_inputs, _new_entry)
 
 
 def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *, out=None):
@@ -496,15 +506,11 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     rows an SM: about 4 MB at H = 2560 on an H200's 132 SMs).
     """
     try:
-        batch, seq, hidden = grad_output.shape
-        entry = _entries[hidden, normalized is None, grad_output.get_device()]
-    except (AttributeError, TypeError, ValueError, KeyError):
-        _check_inputs(grad_output, x, normalized, rstd, weight)
-        batch, seq, hidden = grad_output.shape
-        device = grad_output.device
-        entry = _entries.setdefault((hidden, normalized is None, device.index),
-                                    _Entry(hidden, normalized is not None, device))
+        entry = _calls[_call_key(grad_output, x, normalized, rstd, weight)]
+    except KEY_ERRORS:
+        entry = _calls.first_call(grad_output, x, normalized, rstd, weight)
     errors.raise_pending(entry.device.index)
+    batch, seq, hidden = grad_output.shape
     rows = batch * seq
     if out is None:
         # new_empty takes dtype and device from its tensor (both checked by the FFI call): measured

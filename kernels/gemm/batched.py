@@ -18,10 +18,9 @@ import types
 from ...layouts.gemm import GemmTiling
 from .dispatch import (ADD_NEEDS_OUT, GemmCall, Call, check_call, device_gpu, epilogue_key, epilogue_kind, compiled_kernel,
                    run_call)
+from ..calls import KEY_ERRORS, CallCache
 from .grouped import stacked_k
 
-# (L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue, group_sum) -> Call
-_calls: dict = {}
 
 
 def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None,
@@ -49,20 +48,13 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
         else "bfloat16"
     a4, b4, out4, out2_4, *inputs4 = (_four(t) for t in (a, b, out, out2, *inputs))
     rows4 = _four(rows, vector=True)
+    call_args = (a4, b4, out4, tiling, c_dtype, stream_k, epilogue, inputs4, out2_4, rows4, alpha, group_sum)
     try:
-        # the batch size is in the key: it sets the schedule's tile count
-        (l1, l2, m, k), n = a4.shape, b4.shape[2]
-        # (the C entry point checks every extent but this one: a's and b's batch against out's)
-        l2, ragged = divmod(l2, group_sum)
-        if ragged or out4 is not None and out4.shape[1] != l2:
-            raise ValueError("not a batch sum's shapes: the full checks say why")
-        key = (l1 * l2, m, n, k, a4.stride(3) == 1, b4.stride(3) == 1, c_dtype, a4.get_device(), tiling, stream_k,
-               epilogue_key(epilogue, rows4, alpha, inputs4), group_sum)
-        call = _calls[key]
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-        call = _resolve(a4, b4, out4, tiling, c_dtype, stream_k, epilogue, inputs4, out2_4, rows4, alpha, group_sum)
-        (l1, l2, m, k), n = a4.shape, b4.shape[2]
-        l2 //= group_sum
+        call = _calls[_call_key(*call_args)]
+    except KEY_ERRORS:
+        call = _calls.first_call(*call_args)
+    (l1, l2, m, _), n = a4.shape, b4.shape[2]
+    l2 //= group_sum
     batch_shape = (*a.shape[:-3], l2)  # the outputs', as a's dimensions go ([L] or [L1, L2])
     if out is None:
         out4 = torch.empty((l1, l2, m, n), dtype=call.out_dtype, device=call.device)
@@ -85,27 +77,36 @@ def _four(t, vector: bool = False):
     return t.unsqueeze(0) if t.dim() == (2 if vector else 3) else t
 
 
-def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha, group_sum):
-    """First call of a batch's shapes: full checks, the tiling, the compiled kernel."""
+def _call_key(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha, group_sum):
+    """(L, M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k, epilogue,
+    group_sum): the batch size is in the key, it sets the schedule's tile count."""
+    (l1, l2, m, k), n = a.shape, b.shape[2]
+    # (the C entry point checks every extent but this one: a's and b's batch against out's)
+    l2, ragged = divmod(l2, group_sum)
+    if ragged or out is not None and out.shape[1] != l2:
+        raise ValueError("not a batch sum's shapes: the full checks say why")
+    return (l1 * l2, m, n, k, a.stride(3) == 1, b.stride(3) == 1, c_dtype, a.get_device(), tiling, stream_k,
+            epilogue_key(epilogue, rows, alpha, inputs), group_sum)
+
+
+def _check_args(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha, group_sum):
+    _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_sum)
+
+
+def _new_call(key, a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha, group_sum):
+    """A batch's first call, on checked arguments: the tiling, the compiled kernel."""
     import torch
 
-    kind = epilogue_kind(epilogue, alpha)
-    _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_sum)
-    batches = a.shape[0] * (a.shape[1] // group_sum)  # outputs
+    batches, m, n, k, a_k_major, b_k_major = key[:6]
     if not batches:  # nothing to launch or compile: only what the outputs need
         return types.SimpleNamespace(out_dtype=getattr(torch, c_dtype), device=a.device)
-    _, _, m, k = a.shape
-    n = b.shape[2]
+    kind = epilogue_kind(epilogue, alpha)
     gpu = device_gpu(a.device)
-    a_k_major, b_k_major = a.stride(3) == 1, b.stride(3) == 1
     product = GemmCall(m, n, summed_k(k, group_sum), a_k_major, b_k_major, c_dtype, kind,
                        inputs[0].shape[-1] if kind.tables else None, batches=batches, batched=group_sum, tiling=tiling)
     chosen = product.tiling_on(gpu)
     run = compiled_kernel(gpu.arch, a.device, product.build(chosen))
-    call = _calls[batches, m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
-                  epilogue_key(epilogue, rows, alpha, inputs), group_sum] = Call(
-        *run, chosen, m, n, product.k, a.device, stream_k, getattr(torch, c_dtype), batches=batches)
-    return call
+    return Call(*run, chosen, m, n, product.k, a.device, stream_k, getattr(torch, c_dtype), batches=batches)
 
 
 def summed_k(k: int, group_sum: int) -> int:
@@ -148,3 +149,7 @@ def _check_batch(a, b, out, c_dtype, epilogue, inputs, out2, rows, alpha, group_
     first = {name: None if t is None else t[0, 0] for name, t in {**tma_moved, **plain}.items()}
     check_call(first["a"], first["b"], first["out"], c_dtype, kind, [t[0, 0] for t in inputs], first["out2"],
                 first["rows"])
+
+
+# -> Call (or, for an empty batch, what its outputs need), by _call_key
+_calls = CallCache(_call_key, _check_args, _new_call)

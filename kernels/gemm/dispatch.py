@@ -11,6 +11,7 @@ import dataclasses
 from ...layouts.gemm import MIN_K_TILES, GemmTiling, default_tiling, even_clusters, stream_k_plan, tuned_tiling
 from ...layouts.gpus import Gpu
 from .. import runtime
+from ..calls import KEY_ERRORS, CallCache
 from . import sm90, sm100
 from .core import NO_EPILOGUE_TENSORS
 from .epilogue import ADD, KINDS, STORE, Epilogue, check_epilogue_tensors
@@ -140,8 +141,6 @@ def check_operands(a, b, out, a_name="a", out_name="out", b_name="b"):
 # (tiling, a K-major?, b K-major?, C dtype, device, epilogue, products, stack, batched)
 #     -> (TVM-FFI function, max clusters); see compiled_kernel
 _compiled: dict = {}
-# (M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k asked, epilogue) -> Call
-_calls: dict = {}
 
 
 MIN_ITERATIONS = 4  # k-iterations a stream-K share must have to be worth its partial-tile traffic
@@ -194,22 +193,30 @@ def compiled_kernel(arch: str, device, build: GemmBuild):
     return _compiled[key]
 
 
-def _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue=STORE, inputs=(), out2=None, rows=None):
-    """First call of a shape: full checks, the tiling for it, the compiled kernel (once per tiling)."""
+def _call_key(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha):
+    """(M, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k asked, epilogue)."""
+    (m, k), n = a.shape, b.shape[0]
+    return (m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k,
+            epilogue_key(epilogue, rows, alpha, inputs))
+
+
+def _check_args(a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha):
+    check_call(a, b, out, c_dtype, epilogue_kind(epilogue, alpha), inputs, out2, rows)
+
+
+def _new_call(key, a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha):
+    """A shape's first call, on checked arguments: the tiling for it, the compiled kernel (once
+    per tiling)."""
     import torch
 
-    check_call(a, b, out, c_dtype, epilogue, inputs, out2, rows)
-    (m, k), n = a.shape, b.shape[0]
+    m, n, k, a_k_major, b_k_major = key[:5]
+    kind = epilogue_kind(epilogue, alpha)
     gpu = device_gpu(a.device)
-    a_k_major, b_k_major = k_major(a, "a"), k_major(b, "b")
-    group_n = n // rows.shape[1] if epilogue.row_sums else inputs[0].shape[1] if epilogue.tables else None
-    product = GemmCall(m, n, k, a_k_major, b_k_major, c_dtype, epilogue, group_n, tiling=tiling)
+    group_n = n // rows.shape[1] if kind.row_sums else inputs[0].shape[1] if kind.tables else None
+    product = GemmCall(m, n, k, a_k_major, b_k_major, c_dtype, kind, group_n, tiling=tiling)
     chosen = product.tiling_on(gpu)
-    call = _calls[m, n, k, a_k_major, b_k_major, c_dtype, a.device.index, tiling, stream_k,
-                  epilogue_key(epilogue.name, rows, epilogue.alpha, inputs)] = Call(
-        *compiled_kernel(gpu.arch, a.device, product.build(chosen)), chosen, m, n, k, a.device, stream_k,
-        getattr(torch, c_dtype))
-    return call
+    return Call(*compiled_kernel(gpu.arch, a.device, product.build(chosen)), chosen, m, n, k, a.device, stream_k,
+                getattr(torch, c_dtype))
 
 
 def choose_tiling(tiling, m: int, n: int, k: int, gpu: Gpu, epilogue: Epilogue, group_n,
@@ -240,6 +247,10 @@ def check_call(a, b, out, c_dtype, epilogue, inputs, out2, rows):
                                a.device, rows)
         if c_dtype != "bfloat16":
             raise ValueError(f"out: the {epilogue.name!r} epilogue writes bf16, got {c_dtype}")
+
+
+# -> Call, by _call_key
+_calls = CallCache(_call_key, _check_args, _new_call)
 
 
 def epilogue_key(epilogue: str, rows, alpha, inputs):
@@ -300,13 +311,12 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
         else "bfloat16"
     if epilogue == "add" and out is None:  # before the lookup: a cached shape must refuse it too
         raise ValueError(ADD_NEEDS_OUT)
+    call_args = (a, b, out, tiling, c_dtype, stream_k, epilogue, inputs, out2, rows, alpha)
     try:
-        (m, k), n = a.shape, b.shape[0]
-        call = _calls[m, n, k, a.stride(1) == 1, b.stride(1) == 1, c_dtype, a.get_device(), tiling, stream_k,
-                      epilogue_key(epilogue, rows, alpha, inputs)]
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-        call = _resolve(a, b, out, tiling, c_dtype, stream_k, epilogue_kind(epilogue, alpha), inputs, out2, rows)
-        (m, k), n = a.shape, b.shape[0]
+        call = _calls[_call_key(*call_args)]
+    except KEY_ERRORS:
+        call = _calls.first_call(*call_args)
+    m, n = a.shape[0], b.shape[0]
     if epilogue == "dswiglu" and out2 is None:
         out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
     if out is None:

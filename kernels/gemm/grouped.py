@@ -11,9 +11,9 @@ concatenation copy), in one persistent launch of the GEMM core:
 from __future__ import annotations
 
 from ...layouts.gemm import GemmTiling
+from ..calls import KEY_ERRORS, CallCache
 from .dispatch import Call, GemmCall, check_operands, compiled_kernel, device_gpu, k_major, matmul_nt
 
-_calls: dict = {}  # (Ms, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> Call
 
 
 def matmul_nt_grouped(a_list, b, *, outs=None, out_dtype=None, tiling: GemmTiling | None = None,
@@ -35,13 +35,10 @@ def matmul_nt_grouped(a_list, b, *, outs=None, out_dtype=None, tiling: GemmTilin
     given = {o.dtype for o in outs if o is not None}
     c_dtype = "float32" if torch.float32 in given or (not given and out_dtype == torch.float32) else "bfloat16"
     try:
-        ms = tuple(a.shape[0] for a in a_list)
-        n, k = b.shape
-        call = _calls[ms, n, k, a_list[0].stride(1) == 1, b.stride(1) == 1, c_dtype, b.get_device(), tiling,
-                      stream_k]
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-        call = _resolve(a_list, b, outs, tiling, c_dtype, stream_k)
-        ms, (n, k) = tuple(a.shape[0] for a in a_list), b.shape
+        call = _calls[_call_key(a_list, b, outs, tiling, c_dtype, stream_k)]
+    except KEY_ERRORS:
+        call = _calls.first_call(a_list, b, outs, tiling, c_dtype, stream_k)
+    ms, (n, k) = tuple(a.shape[0] for a in a_list), b.shape
     outs = [o if o is not None else torch.empty((m, n), dtype=call.out_dtype, device=call.device)
             for o, m in zip(outs, ms)]
     if n == 0 or k == 0:  # no launch: empty results, or zeros for K = 0
@@ -87,20 +84,30 @@ def _check_all(a_list, b, outs):
         raise ValueError("outs: one dtype for all results")
 
 
-def _resolve(a_list, b, outs, tiling, c_dtype, stream_k):
-    """First call of a group's shapes: full checks, the tiling, the compiled kernel."""
+def _call_key(a_list, b, outs, tiling, c_dtype, stream_k):
+    """(Ms, N, K, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k)."""
+    n, k = b.shape
+    return (tuple(a.shape[0] for a in a_list), n, k, a_list[0].stride(1) == 1, b.stride(1) == 1, c_dtype,
+            b.get_device(), tiling, stream_k)
+
+
+def _check_args(a_list, b, outs, tiling, c_dtype, stream_k):
+    _check_all(a_list, b, outs)
+
+
+def _new_call(key, a_list, b, outs, tiling, c_dtype, stream_k):
+    """A group's first call, on checked arguments: the tiling, the compiled kernel."""
     import torch
 
-    _check_all(a_list, b, outs)
-    ms, (n, k) = tuple(a.shape[0] for a in a_list), b.shape
+    ms, n, k, a_k_major, b_k_major = key[:5]
     gpu = device_gpu(b.device)
-    a_k_major, b_k_major = k_major(a_list[0], "a_list[0]"), k_major(b, "b")
     product = GemmCall(sum(ms), n, k, a_k_major, b_k_major, c_dtype, products=len(a_list), stack="m", tiling=tiling)
     chosen = product.tiling_on(gpu)
     run = compiled_kernel(gpu.arch, b.device, product.build(chosen))
-    call = _calls[ms, n, k, a_k_major, b_k_major, c_dtype, b.device.index, tiling, stream_k] = Call(
-        *run, chosen, stacked_rows(ms, chosen), n, k, b.device, stream_k, getattr(torch, c_dtype))
-    return call
+    return Call(*run, chosen, stacked_rows(ms, chosen), n, k, b.device, stream_k, getattr(torch, c_dtype))
+
+
+_calls = CallCache(_call_key, _check_args, _new_call)  # -> Call, by _call_key
 
 
 def stacked_rows(ms, tiling: GemmTiling) -> int:
@@ -114,7 +121,6 @@ def stacked_k(ks, tiling: GemmTiling) -> int:
     return sum(-(-k // tiling.tile_k) * tiling.tile_k for k in ks)
 
 
-_summed_calls: dict = {}  # (Ks, M, N, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k) -> Call
 
 
 def matmul_nt_summed(pairs, *, out=None, out_dtype=None, tiling: GemmTiling | None = None,
@@ -132,13 +138,10 @@ def matmul_nt_summed(pairs, *, out=None, out_dtype=None, tiling: GemmTiling | No
     if any(getattr(a, "shape", (1, 1))[1] == 0 for a, _ in pairs):
         return _without_empty_terms(pairs, out, out_dtype, tiling, stream_k)
     try:
-        ks = tuple(a.shape[1] for a, _ in pairs)
-        (m, _), n = pairs[0][0].shape, pairs[0][1].shape[0]
-        call = _summed_calls[ks, m, n, pairs[0][0].stride(1) == 1, pairs[0][1].stride(1) == 1, c_dtype,
-                             pairs[0][0].get_device(), tiling, stream_k]
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-        call = _resolve_summed(pairs, out, tiling, c_dtype, stream_k)
-        (m, _), n = pairs[0][0].shape, pairs[0][1].shape[0]
+        call = _summed_calls[_summed_key(pairs, out, tiling, c_dtype, stream_k)]
+    except KEY_ERRORS:
+        call = _summed_calls.first_call(pairs, out, tiling, c_dtype, stream_k)
+    (m, _), n = pairs[0][0].shape, pairs[0][1].shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
     if m == 0 or n == 0:
@@ -185,18 +188,28 @@ def _check_terms(pairs, out):
         raise ValueError("pairs: all on one device")
 
 
-def _resolve_summed(pairs, out, tiling, c_dtype, stream_k):
-    """First call of a sum's shapes: full checks, the tiling, the compiled kernel."""
+def _summed_key(pairs, out, tiling, c_dtype, stream_k):
+    """(Ks, M, N, a K-major?, b K-major?, C dtype, device, tiling asked, stream_k)."""
+    (m, _), n = pairs[0][0].shape, pairs[0][1].shape[0]
+    return (tuple(a.shape[1] for a, _ in pairs), m, n, pairs[0][0].stride(1) == 1, pairs[0][1].stride(1) == 1,
+            c_dtype, pairs[0][0].get_device(), tiling, stream_k)
+
+
+def _check_summed(pairs, out, tiling, c_dtype, stream_k):
+    _check_terms(pairs, out)
+
+
+def _new_summed(key, pairs, out, tiling, c_dtype, stream_k):
+    """A sum's first call, on checked arguments: the tiling, the compiled kernel."""
     import torch
 
-    _check_terms(pairs, out)
-    ks = tuple(a.shape[1] for a, _ in pairs)
-    (m, _), n, device = pairs[0][0].shape, pairs[0][1].shape[0], pairs[0][0].device
+    ks, m, n, a_k_major, b_k_major = key[:5]
+    device = pairs[0][0].device
     gpu = device_gpu(device)
-    a_k_major, b_k_major = k_major(pairs[0][0], "pairs[0][0]"), k_major(pairs[0][1], "pairs[0][1]")
     product = GemmCall(m, n, sum(ks), a_k_major, b_k_major, c_dtype, products=len(pairs), stack="k", tiling=tiling)
     chosen = product.tiling_on(gpu)
     run = compiled_kernel(gpu.arch, device, product.build(chosen))
-    call = _summed_calls[ks, m, n, a_k_major, b_k_major, c_dtype, device.index, tiling, stream_k] = Call(
-        *run, chosen, m, n, stacked_k(ks, chosen), device, stream_k, getattr(torch, c_dtype))
-    return call
+    return Call(*run, chosen, m, n, stacked_k(ks, chosen), device, stream_k, getattr(torch, c_dtype))
+
+
+_summed_calls = CallCache(_summed_key, _check_summed, _new_summed)  # -> Call, by _summed_key
