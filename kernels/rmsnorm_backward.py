@@ -503,7 +503,7 @@ def fused_residual_rmsnorm_backward(grad_output, x, normalized, rstd, weight, *,
     (one up to ONE_LAUNCH_MAX_ROWS rows, two above);
     the Python checks run on a shape's first call and to explain a rejected call. Each CUDA
     stream keeps a [3 x SMs, H] fp32 workspace for the partial sums (GRID_CTAS_PER_SM partial
-    rows an SM: about 4 MB at H = 2560 on an H200's 132 SMs).
+    rows an SM: about 4 MB at H = 2560 on an H200).
     """
     try:
         entry = _calls[_call_key(grad_output, x, normalized, rstd, weight)]
