@@ -14,6 +14,9 @@ import, and `cutebwd.references` needs none of it):
     cutebwd.decoder_layer_backward(grad_output, residual, attn_input, ..., hidden_states_normalized2, eps,
                                    *, out=None)   the 34 inputs of semantics.md's L2/056, in order
     cutebwd.ResidualRMSNorm(hidden, eps=1e-6)     autograd module, 013's kernel as its backward
+    cutebwd.GemmaQKVNorm(q_proj, k_proj, v_proj, q_norm, k_norm, q_heads, kv_heads)
+                                                  autograd module over Gemma3 attention's layers,
+                                                  051's kernel as its backward
     cutebwd.check_errors(device=None)             synchronizes and raises an error the device recorded
                                                   (out-of-range ids of a deferred check)
 
@@ -39,6 +42,7 @@ _OPS = {
     "qkv_qknorm_backward": "cutebwd.kernels.qkv_qknorm_backward",
     "decoder_layer_backward": "cutebwd.kernels.decoder_layer_backward",
     "ResidualRMSNorm": "cutebwd.kernels.torch_ops",
+    "GemmaQKVNorm": "cutebwd.kernels.modules",
     "check_errors": "cutebwd.kernels.errors",
 }
 

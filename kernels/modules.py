@@ -1,0 +1,95 @@
+"""Autograd modules whose forward is PyTorch and whose backward is a cutebwd op.
+
+Each forward saves what its op reads, in the dtypes the op's contract names, and nothing else.
+On CUDA tensors the backward is the op; on CPU tensors it is the op's plain-PyTorch reference
+(references/): the same formula, so a model's wiring can be checked without a GPU.
+
+    GemmaQKVNorm(q_proj, k_proj, v_proj, q_norm, k_norm, q_heads, kv_heads)
+        hidden_states [b, s, H] -> query, key [b, heads, s, d] after Gemma3's RMSNorm (scale
+        1 + w), value [b, kv_heads, s, d]; the backward is qkv_qknorm_backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..references import qkv_qknorm as qkv_reference
+
+
+class _QKVNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_heads, kv_heads,
+                eps):
+        batch, seq, _ = hidden_states.shape
+        head_dim = q_norm_weight.shape[0]
+
+        def heads(weight, count):  # x . W^T as [b, heads, s, d], a view of [b, s, heads, d]
+            return (hidden_states @ weight.t()).view(batch, seq, count, head_dim).transpose(1, 2)
+
+        def gemma_norm(x, weight):  # Gemma3's RMSNorm: fp32 math, scale (1 + w), rounded to x's dtype
+            x32 = x.float()
+            rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+            normed = x32 * rstd
+            return (normed * (1.0 + weight.float())).to(x.dtype), rstd, normed.to(x.dtype)
+
+        query, q_rstd, q_normed = gemma_norm(heads(q_weight, q_heads), q_norm_weight)
+        key, k_rstd, k_normed = gemma_norm(heads(k_weight, kv_heads), k_norm_weight)
+        value = heads(v_weight, kv_heads)
+        ctx.save_for_backward(hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_rstd,
+                              k_rstd, q_normed, k_normed)
+        ctx.eps = eps
+        return query, key, value
+
+    @staticmethod
+    def backward(ctx, grad_query, grad_key, grad_value):
+        saved = ctx.saved_tensors
+        (hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_rstd, k_rstd, q_normed,
+         k_normed) = saved
+        # The op reads one kv head's value gradient as [tokens, d] rows.
+        grad_value = grad_value.contiguous()
+        args = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
+                k_norm_weight, None, None, q_rstd, k_rstd, q_normed, k_normed, ctx.eps)
+        if hidden_states.is_cuda:
+            from .qkv_qknorm_backward import qkv_qknorm_backward as op
+        else:
+            op = qkv_reference.qkv_qknorm_backward
+        grads = op(*args)
+        grad_q_norm_weight, grad_k_norm_weight = (g.to(w.dtype) for g, w in zip(grads[4:], (q_norm_weight,
+                                                                                           k_norm_weight)))
+        return (*grads[:4], grad_q_norm_weight, grad_k_norm_weight, None, None, None)
+
+
+class GemmaQKVNorm(torch.nn.Module):
+    """Gemma3 attention's Q/K/V projections with its Q/K RMSNorm, sharing the given modules'
+    parameters (bias-free Linear layers, norms with a `weight` [head_dim] applied as 1 + w and
+    an `eps`). bf16 parameters and activations; one kv head, as the op reads it
+    (Gemma-3-270m's and 1B's), head_dim a multiple of 4 up to 256, H a multiple of 8."""
+
+    def __init__(self, q_proj, k_proj, v_proj, q_norm, k_norm, q_heads: int, kv_heads: int):
+        super().__init__()
+        from .qkv_qknorm_backward import MAX_HEAD_DIM, VECTOR
+
+        head_dim = q_norm.weight.shape[0]
+        hidden = q_proj.weight.shape[1]
+        for name, proj, rows in (("q_proj", q_proj, q_heads), ("k_proj", k_proj, kv_heads),
+                                 ("v_proj", v_proj, kv_heads)):
+            if getattr(proj, "bias", None) is not None:
+                raise ValueError(f"GemmaQKVNorm: {name} has a bias; the backward has none")
+            if tuple(proj.weight.shape) != (rows * head_dim, hidden):
+                raise ValueError(f"GemmaQKVNorm: {name}.weight is {list(proj.weight.shape)}, expected "
+                                 f"[{rows} x {head_dim}, {hidden}]")
+        if kv_heads != 1:
+            raise ValueError(f"GemmaQKVNorm: the backward reads one kv head (Gemma-3-270m's and 1B's), got "
+                             f"{kv_heads}")
+        if head_dim % VECTOR or head_dim > MAX_HEAD_DIM or hidden % 8:
+            raise ValueError(f"GemmaQKVNorm: head_dim must be a multiple of {VECTOR} up to {MAX_HEAD_DIM} and the "
+                             f"hidden size a multiple of 8, got {head_dim} and {hidden}")
+        if k_norm.weight.shape != q_norm.weight.shape or q_norm.eps != k_norm.eps:
+            raise ValueError("GemmaQKVNorm: q_norm and k_norm must share head_dim and eps")
+        self.q_proj, self.k_proj, self.v_proj, self.q_norm, self.k_norm = q_proj, k_proj, v_proj, q_norm, k_norm
+        self.q_heads, self.kv_heads = q_heads, kv_heads
+
+    def forward(self, hidden_states: torch.Tensor):
+        """-> (query, key, value) per head, [b, heads, s, d]."""
+        return _QKVNormFunction.apply(hidden_states, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                      self.q_norm.weight, self.k_norm.weight, self.q_heads, self.kv_heads,
+                                      self.q_norm.eps)
