@@ -17,6 +17,8 @@ import, and `cutebwd.references` needs none of it):
     cutebwd.GemmaQKVNorm(q_proj, k_proj, v_proj, q_norm, k_norm, q_heads, kv_heads)
                                                   autograd module over Gemma3 attention's layers,
                                                   051's kernel as its backward
+    cutebwd.patch(model)                          a transformers model's layers onto these backwards,
+                                                  in place (kernels/hf_patch.py: Gemma3 today)
     cutebwd.check_errors(device=None)             synchronizes and raises an error the device recorded
                                                   (out-of-range ids of a deferred check)
 
@@ -43,6 +45,7 @@ _OPS = {
     "decoder_layer_backward": "cutebwd.kernels.decoder_layer_backward",
     "ResidualRMSNorm": "cutebwd.kernels.torch_ops",
     "GemmaQKVNorm": "cutebwd.kernels.modules",
+    "patch": "cutebwd.kernels.hf_patch",
     "check_errors": "cutebwd.kernels.errors",
 }
 

@@ -1,0 +1,112 @@
+"""cutebwd.patch(model): cutebwd's backward kernels inside a Hugging Face `transformers` model, in
+place, parameters and checkpoint names untouched.
+
+What is swapped, by model family:
+- Gemma3 (text models: Gemma3ForCausalLM, Gemma3TextModel, and the text model of
+  Gemma3ForConditionalGeneration): each attention layer's Q/K/V projections and Q/K norms run as
+  one GemmaQKVNorm (kernels/modules.py), whose backward is the QKV + Q/K-norm kernel. Needs one
+  kv head (Gemma-3-270m, 1B), no attention bias, bf16 parameters.
+- Qwen3 and Mistral: nothing yet. Their attention has several kv heads, which the QKV kernel
+  does not read, and their norms multiply by w, not 1 + w; `patch` refuses them with that reason.
+
+How: the attention's own forward still runs. Its q_proj computes the fused Q, K and V for the
+hidden states and returns Q (already normed) in the projection's [b, s, heads * d] layout; k_proj
+and v_proj hand back K and V for the same hidden states; q_norm and k_norm pass through. So
+whatever the attention does next (RoPE, caches, the attention function) is the library's own.
+Calling one of those five layers on its own after `patch` is not supported.
+
+transformers is imported here, never by `import cutebwd`.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .modules import GemmaQKVNorm
+
+_FAMILIES_NOT_YET = {
+    "qwen3": "Qwen3 attention has several kv heads (the QKV kernel reads one) and its Q/K norms scale by w",
+    "mistral": "Mistral attention has several kv heads (the QKV kernel reads one) and no Q/K norms",
+}
+
+
+class Patch:
+    """What `patch` replaced: `replaced` lists the layers by name; `undo()` restores them."""
+
+    def __init__(self):
+        self.replaced: list[str] = []
+        self._restore: list = []
+
+    def undo(self):
+        for module in self._restore:
+            del module.forward  # the instance attribute: the class's forward again
+        self._restore.clear()
+        self.replaced.clear()
+
+
+def patch(model: torch.nn.Module) -> Patch:
+    """Swap the layers of a transformers model that cutebwd has backward kernels for, in place.
+    Returns a Patch naming them (`undo()` restores). Raises ValueError, before changing anything,
+    for a model family or configuration the kernels do not cover."""
+    config = getattr(model, "config", None)
+    model_type = getattr(getattr(config, "text_config", config), "model_type", None)
+    if model_type in _FAMILIES_NOT_YET:
+        raise ValueError(f"cutebwd.patch: nothing to patch in {type(model).__name__}: {_FAMILIES_NOT_YET[model_type]}")
+    attentions = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Gemma3Attention"]
+    if not attentions:
+        raise ValueError(f"cutebwd.patch: {type(model).__name__} is not a Gemma3 model (model_type "
+                         f"{model_type!r}); patched families: Gemma3")
+    plans = [(name, _gemma_qkv_norm(name, attention)) for name, attention in attentions]  # checks all first
+    result = Patch()
+    for (name, attention), (_, fused) in zip(attentions, plans):
+        _route_through(attention, fused, result)
+        result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
+    return result
+
+
+def _gemma_qkv_norm(name: str, attention) -> GemmaQKVNorm:
+    config = attention.config
+    q_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dtypes = {p.dtype for layer in (attention.q_proj, attention.k_proj, attention.v_proj, attention.q_norm,
+                                    attention.k_norm) for p in layer.parameters()}
+    if dtypes != {torch.bfloat16}:
+        raise ValueError(f"cutebwd.patch: {name}: the kernels take bf16 parameters, got "
+                         f"{sorted(str(d) for d in dtypes)}")
+    try:
+        return GemmaQKVNorm(attention.q_proj, attention.k_proj, attention.v_proj, attention.q_norm,
+                            attention.k_norm, q_heads=q_heads, kv_heads=kv_heads)
+    except ValueError as error:
+        raise ValueError(f"cutebwd.patch: {name}: {error}") from None
+
+
+def _route_through(attention, fused: GemmaQKVNorm, result: Patch):
+    """The five layers' forwards, bound on the instances: q_proj runs the fused module, the others
+    hand over its results."""
+    handed = {}
+
+    def as_projection(per_head):  # [b, heads, s, d] -> the projection's [b, s, heads * d] (a view)
+        batch, heads, seq, head_dim = per_head.shape
+        return per_head.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+
+    def q_proj(self, hidden_states):
+        query, key, value = fused(hidden_states)
+        handed.update(hidden_states=hidden_states, key=key, value=value)
+        return as_projection(query)
+
+    def handed_over(which):
+        def forward(self, hidden_states):
+            if handed.get("hidden_states") is not hidden_states:
+                raise RuntimeError(f"cutebwd.patch: {which} called without q_proj on the same hidden states "
+                                   f"just before (the patched attention computes Q, K and V together)")
+            return as_projection(handed.pop(which))
+        return forward
+
+    def passed_through(self, x):
+        return x  # the fused module has normed Q and K already
+
+    for layer, forward in ((attention.q_proj, q_proj), (attention.k_proj, handed_over("key")),
+                           (attention.v_proj, handed_over("value")), (attention.q_norm, passed_through),
+                           (attention.k_norm, passed_through)):
+        layer.forward = types.MethodType(forward, layer)
+        result._restore.append(layer)

@@ -1,0 +1,97 @@
+"""cutebwd.patch on tiny random transformers models: one training step with and without the
+patch, the same loss, every parameter's gradient held to the contract's rule (the benchmark's
+closeness test against the unpatched bf16 model, and an error against the float64 model at most
+twice the unpatched model's own plus 1e-5). On CPU the patched backward is the kernels'
+PyTorch reference (the wiring); on the GPU, the kernels."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cutebwd
+from cutebwd.tools.parity import assert_parity
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 0.016  # the QKV backward's workloads' smallest atol at a few hundred tokens
+
+
+def _gemma3(hidden=64, heads=4, kv_heads=1, head_dim=32, layers=2, **extra):
+    config = transformers.Gemma3TextConfig(
+        vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+        sliding_window=8, max_position_embeddings=64, attn_implementation="eager", **extra)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():  # Gemma3's norm weights start at zero: give them something to learn from
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    return model
+
+
+def _step(model, ids):
+    """One training step's loss and gradients, by parameter name."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_gemma3_step(device, batch, seq, **dims):
+    exact_model = _gemma3(**dims).to(device, torch.float64)
+    model = _gemma3(**dims).to(device, torch.bfloat16)
+    patched = copy.deepcopy(model)
+    handle = cutebwd.patch(patched)
+    assert len(handle.replaced) == model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    exact_loss, exact = _step(exact_model, ids)
+    loss, want = _step(model, ids)
+    patched_loss, got = _step(patched, ids)
+    torch.testing.assert_close(patched_loss.float(), loss.float(), rtol=1e-2, atol=1e-2)
+    assert set(got) == set(want) == set(exact)
+    names = sorted(want)
+    assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, [exact[n] for n in names],
+                  f"Gemma3 step on {device}")
+    handle.undo()
+    _, again = _step(patched, ids)  # the layers' own forwards again: what the unpatched model computes
+    for n in names:
+        torch.testing.assert_close(again[n], want[n], rtol=0, atol=0)
+
+
+def test_gemma3_training_step_on_cpu():
+    _check_gemma3_step("cpu", 2, 11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [{}, {"hidden": 640, "heads": 4, "head_dim": 256}])  # small; Gemma-3-270m's widths
+def test_gemma3_training_step_on_the_gpu(dims):
+    _check_gemma3_step("cuda", 2, 64, **dims)
+
+
+def test_refuses_before_changing_anything():
+    model = _gemma3(kv_heads=2, heads=4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="one kv head"):
+        cutebwd.patch(model)
+    assert all("forward" not in vars(m) for m in model.modules())  # no layer was touched
+    with pytest.raises(ValueError, match="bf16 parameters"):
+        cutebwd.patch(_gemma3())  # fp32
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16))
+    with pytest.raises(ValueError, match="Qwen3 attention has several kv heads"):
+        cutebwd.patch(qwen3)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    with pytest.raises(ValueError, match="Mistral attention has several kv heads"):
+        cutebwd.patch(mistral)
+    with pytest.raises(ValueError, match="not a Gemma3 model"):
+        cutebwd.patch(torch.nn.Linear(3, 3))
+
+
+def test_import_cutebwd_does_not_import_transformers():
+    code = "import sys, cutebwd; cutebwd.patch; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
