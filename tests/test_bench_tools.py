@@ -1,4 +1,5 @@
 """The bench's CPU-side pieces: host time per call and the table (no GPU needed)."""
+import pytest
 import torch
 
 from cutebwd.tools import bench, clocks, timing
@@ -260,3 +261,19 @@ def test_056_cublas_baseline_is_the_layers_fourteen_products():
     assert [tuple(p.shape) for p in products] == [
         (tokens, i), (h, i), (tokens, h), (i, h), (tokens, h), (i, h), (tokens, q), (h, q),
         (tokens, h), (q, h), (tokens, h), (kv, h), (tokens, h), (kv, h)]
+
+
+TOOLS_WITH_A_COMMAND_LINE = ("audit", "bench", "bench_epilogue", "bench_gemm", "bench_grouped", "compile_cache",
+                             "host_cost", "main", "parity", "sanitize", "tune", "train_step")
+
+
+@pytest.mark.parametrize("tool", TOOLS_WITH_A_COMMAND_LINE)
+def test_every_tool_answers_help_with_its_usage(tool):
+    """--help prints the tool's own usage and exits 0, on a machine with no GPU."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", f"cutebwd.tools.{tool}", "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:") and "--help" in done.stdout, done.stdout[:300]

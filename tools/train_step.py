@@ -1,0 +1,98 @@
+"""A training step's decoder layer, three ways in one run: transformers' model as it is (eager),
+torch.compile of it, and the same model after cutebwd.patch. Forward + backward of a one-layer
+text model fed input embeddings (the layer, its rotary tables and the final norm), bf16 random
+weights at a real model's widths, tokens per second.
+
+    python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--json FILE]
+
+Models: the widths of Gemma-3-270m and Gemma-3-1B (one kv head: the families cutebwd.patch
+covers). Needs a CUDA GPU and transformers (the `hf` extra).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+
+# Real models' widths (their configs on the Hugging Face hub).
+MODELS = {
+    "gemma3-270m": {"hidden_size": 640, "intermediate_size": 2048, "num_attention_heads": 4,
+                    "num_key_value_heads": 1, "head_dim": 256},
+    "gemma3-1b": {"hidden_size": 1152, "intermediate_size": 6912, "num_attention_heads": 4,
+                  "num_key_value_heads": 1, "head_dim": 256},
+}
+
+
+def one_layer(widths: dict):
+    """A one-layer Gemma3 text model at `widths`, bf16 on the GPU, transformers' default attention."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma3TextConfig(num_hidden_layers=1, vocab_size=256, query_pre_attn_scalar=256, **widths)
+    torch.manual_seed(0)
+    model = transformers.Gemma3TextModel(config).to("cuda", torch.bfloat16)
+    with torch.no_grad():  # Gemma3's norm weights start at zero; trained ones do not
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    return model
+
+
+def step_ms(model, batch: int, seq: int) -> float:
+    """Milliseconds a forward + backward of `model` on random input embeddings."""
+    import torch
+
+    from cutebwd.tools.timing import time_ms
+
+    hidden = model.config.hidden_size
+    embeds = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    upstream = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step(x):
+        model(inputs_embeds=x).last_hidden_state.backward(upstream)
+
+    return time_ms(step, [(embeds,)], budget_ms=200, repeats=5)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.train_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: all")
+    parser.add_argument("--seq", action="append", type=int, help="sequence lengths (default: 512, 2048)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--json", help="where to write the rows")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    sys.argv = sys.argv[:1]  # the DSL reads the command line when it is imported: show it none of ours
+
+    import torch
+
+    import cutebwd
+    from cutebwd.tools.timing import have_gpu, progress
+
+    if not have_gpu("train_step"):
+        return 0
+    rows = []
+    for name in args.model or sorted(MODELS):
+        eager = one_layer(MODELS[name])
+        compiled = torch.compile(copy.deepcopy(eager))
+        patched = copy.deepcopy(eager)
+        cutebwd.patch(patched)
+        for seq in args.seq or [512, 2048]:
+            tokens = args.batch * seq
+            row = {"model": name, "batch": args.batch, "seq": seq}
+            for label, model in (("eager", eager), ("torch.compile", compiled), ("cutebwd.patch", patched)):
+                progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}")
+                ms = step_ms(model, args.batch, seq)
+                row[label] = {"ms": ms, "tokens_per_s": tokens / (ms * 1e-3)}
+            rows.append(row)
+            print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(
+                f"{label} {row[label]['ms']:7.3f} ms ({row[label]['tokens_per_s'] / 1e6:5.2f} M tok/s)"
+                for label in ("eager", "torch.compile", "cutebwd.patch")), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
