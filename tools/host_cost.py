@@ -12,7 +12,6 @@ floor (docs/design-host.md).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import cutlass
@@ -78,9 +77,7 @@ def main(argv=None) -> int:
     rows = measure()
     for name, us in rows.items():
         print(f"{name:40s} {us:7.2f} us")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "host_us": rows}, f, indent=1)
+    timing.write_results(args.json, host_us=rows)
     return 0
 
 

@@ -25,6 +25,15 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def write_results(path: str | None, **fields) -> None:
+    """A tool's results as JSON at `path` (nothing without one), with the GPU's name."""
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), **fields}, f, indent=1)
+
+
 def have_gpu(tool: str) -> bool:
     """True with a CUDA GPU; otherwise say that `tool` has nothing to run here."""
     if torch.cuda.is_available():

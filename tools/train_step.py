@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 
 # Real models' widths (their configs on the Hugging Face hub).
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     import torch
 
     import cutebwd
-    from cutebwd.tools.timing import have_gpu, progress
+    from cutebwd.tools.timing import have_gpu, progress, write_results
 
     if not have_gpu("train_step"):
         return 0
@@ -88,9 +87,7 @@ def main(argv=None) -> int:
             print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(
                 f"{label} {row[label]['ms']:7.3f} ms ({row[label]['tokens_per_s'] / 1e6:5.2f} M tok/s)"
                 for label in ("eager", "torch.compile", "cutebwd.patch")), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    write_results(args.json, rows=rows)
     return 0
 
 
