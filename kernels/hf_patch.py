@@ -57,9 +57,9 @@ def patch(model: torch.nn.Module) -> Patch:
     if not attentions:
         raise ValueError(f"cutebwd.patch: {type(model).__name__} is not a Gemma3 model (model_type "
                          f"{model_type!r}); patched families: Gemma3")
-    plans = [(name, _gemma_qkv_norm(name, attention)) for name, attention in attentions]  # checks all first
+    fused_layers = [_gemma_qkv_norm(name, attention) for name, attention in attentions]  # checks all first
     result = Patch()
-    for (name, attention), (_, fused) in zip(attentions, plans):
+    for (name, attention), fused in zip(attentions, fused_layers):
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
     return result
@@ -99,7 +99,10 @@ def _route_through(attention, fused: GemmaQKVNorm, result: Patch):
             if handed.get("hidden_states") is not hidden_states:
                 raise RuntimeError(f"cutebwd.patch: {which} called without q_proj on the same hidden states "
                                    f"just before (the patched attention computes Q, K and V together)")
-            return as_projection(handed.pop(which))
+            handed_on = handed.pop(which)
+            if "key" not in handed and "value" not in handed:
+                handed.clear()  # hold no activation past the forward
+            return as_projection(handed_on)
         return forward
 
     def passed_through(self, x):
