@@ -70,13 +70,13 @@ TMA_STRIDE = 8  # bf16 elements in 16 bytes: TMA's stride granule
 SHORT_SUMMED_TOKENS = (129, 256)
 SHORT_SUMMED = GemmTiling(tile_m=128, tile_n=128, cluster_m=2)
 
+
 def _checked_key(args, eps, dims):
     return dims
 
 
 def _checked_entry(key, args, eps, dims):
     return True  # nothing to build: the layer's products dispatch per call (kernels/gemm)
-
 
 
 def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_states, value_states,

@@ -150,8 +150,8 @@ class EmbeddingRmsNormBackward:
                m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, ctas: Int32, poison: Int32):
         """CTAs [0, ctas) walk ranges of the sorted positions (at least one each); every CTA of
         the grid fills its share of a fresh table, so a short call still fills with the whole
-        GPU. The fill's rows go out a few after each walked position: their stores overlap the
-        walk's loads instead of following them."""
+        GPU. Each CTA fills after its walk, so CTAs with short walks fill while others still
+        walk (fill_plan)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, warp = tidx % 32, tidx // 32
@@ -652,8 +652,8 @@ CHECK_IDS = ("deferred", "now")
 # Walking CTAs take at least TOKENS_PER_CTA sorted positions each (SMALL_CALL_TOKENS_PER_CTA
 # below SMALL_CALL_TOKENS): fewer, fuller CTAs make the fix-up's grid and the weight partials
 # smaller, shorter walks finish sooner. Accumulate calls, us a call at 2 / 4 / 8 / 16 positions
-# a CTA (H200): 256 tokens 14.3 / 15.9 / 17.1 / 26.8, 512 tokens 16.6 / 14.3 / 19.6 / 29.6,
-# 1024 tokens 26.4 / 26.2 / 23.9 / 32.8.
+# a CTA (H200): 256 tokens 14.2 / 13.4 / 16.9 / 26.8, 512 tokens 16.5 / 14.6 / 19.7 / 29.7,
+# 1024 tokens 26.4 / 26.1 / 23.5 / 32.7.
 TOKENS_PER_CTA = 8
 SMALL_CALL_TOKENS, SMALL_CALL_TOKENS_PER_CTA = 1024, 4
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 import types
 
 from ...layouts.gemm import GemmTiling
+from ..calls import KEY_ERRORS, CallCache
 from .dispatch import (ADD_NEEDS_OUT, GemmCall, Call, check_call, device_gpu, epilogue_key, epilogue_kind, compiled_kernel,
                    run_call)
-from ..calls import KEY_ERRORS, CallCache
 from .grouped import stacked_k
-
 
 
 def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = None,

@@ -15,7 +15,6 @@ from ..calls import KEY_ERRORS, CallCache
 from .dispatch import Call, GemmCall, check_operands, compiled_kernel, device_gpu, k_major, matmul_nt
 
 
-
 def matmul_nt_grouped(a_list, b, *, outs=None, out_dtype=None, tiling: GemmTiling | None = None,
                       stream_k: bool | None = None):
     """[A_i . B^T for each A_i in a_list]: two or three bf16 [M_i, K] operands (the same
@@ -119,8 +118,6 @@ def stacked_rows(ms, tiling: GemmTiling) -> int:
 def stacked_k(ks, tiling: GemmTiling) -> int:
     """The K a sum's schedule sees: the terms' k-tiles laid end to end, each padded to whole k-tiles."""
     return sum(-(-k // tiling.tile_k) * tiling.tile_k for k in ks)
-
-
 
 
 def matmul_nt_summed(pairs, *, out=None, out_dtype=None, tiling: GemmTiling | None = None,
