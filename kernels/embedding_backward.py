@@ -277,6 +277,10 @@ class EmbeddingRmsNormBackward:
             # A fresh table is written whole, each row once (no fill beforehand): after its walk
             # each CTA fills its share of the rows no id touches (fill_plan). After the walk, so
             # CTAs with short walks fill while others still walk (design-embedding.md).
+            if cutlass.const_expr(m_ids is None):
+                # Read again, not kept live across the walk: under sm_100a's 128-register cap
+                # ptxas would spill the two ends to local memory.
+                in_range = ids_in_range(m_sorted, m_table.shape[0])
             first, rows, touched, value = self.fill_plan(smem, m_table, m_sorted, in_range, poison, bidx, tidx)
             self.fill(m_table, touched, first, rows, value, tidx)
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.

@@ -15,6 +15,15 @@ import torch
 from ..references import qkv_qknorm as qkv_reference
 
 
+def _qkv_backward(hidden_states):
+    """The op on CUDA tensors, its plain-PyTorch reference (the contract's arithmetic) elsewhere."""
+    if hidden_states.is_cuda:
+        from .qkv_qknorm_backward import qkv_qknorm_backward
+
+        return qkv_qknorm_backward
+    return qkv_reference.qkv_qknorm_backward
+
+
 class _QKVNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_heads, kv_heads,
@@ -48,11 +57,7 @@ class _QKVNormFunction(torch.autograd.Function):
         grad_value = grad_value.contiguous()
         args = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
                 k_norm_weight, None, None, q_rstd, k_rstd, q_normed, k_normed, ctx.eps)
-        if hidden_states.is_cuda:
-            from .qkv_qknorm_backward import qkv_qknorm_backward as op
-        else:
-            op = qkv_reference.qkv_qknorm_backward
-        grads = op(*args)
+        grads = _qkv_backward(hidden_states)(*args)
         grad_q_norm_weight, grad_k_norm_weight = (g.to(w.dtype) for g, w in zip(grads[4:], (q_norm_weight,
                                                                                            k_norm_weight)))
         return (*grads[:4], grad_q_norm_weight, grad_k_norm_weight, None, None, None)

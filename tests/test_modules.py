@@ -1,13 +1,25 @@
 """Autograd modules (kernels/modules.py): forward in PyTorch, backward by a cutebwd op (its
-plain-PyTorch reference on CPU tensors). Gradients against the same forward under PyTorch's own
-autograd, held to the contract's rule: the benchmark's closeness test against bf16 autograd, and
-an error against float64 autograd at most twice bf16 autograd's own plus 1e-5."""
+plain-PyTorch reference on CPU tensors). Gradients held to the contract's two rules: the
+benchmark's closeness test against the contract's arithmetic (the same module with the
+reference as its backward, on the same device), and an error against float64 autograd at most
+twice that of PyTorch's own bf16 autograd of the same forward, plus 1e-5.
+
+The closeness test is not taken against bf16 autograd: its atol is the benchmark's, set for
+outputs computed with the contract's roundings, and two bf16 computations that round in
+different places drift apart on the weight gradients (rms ~17 at Gemma-3-270m's widths). There
+bf16 autograd itself is within the rule of float64 autograd on 98.7% of q_proj's elements and
+97.7% of q_norm's, short of the 99% it asks; the contract's arithmetic, which rounds
+g * (1 + w) to bf16 where transformers keeps it in fp32, is within it of bf16 autograd on 97.3%
+of q_proj's.
+"""
 import pytest
 import torch
 
+from cutebwd.kernels import modules
 from cutebwd.kernels.modules import GemmaQKVNorm
 from cutebwd.references import PROBLEMS
-from cutebwd.tools.parity import assert_parity
+from cutebwd.references import qkv_qknorm as qkv_reference
+from cutebwd.tools.parity import assert_parity, check_outputs
 
 QKV = PROBLEMS["qkv_qknorm_backward"]
 GRAD_NAMES = ("hidden_states", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
@@ -58,7 +70,7 @@ def _gradients(outputs, upstream, hidden_states, layers):
     return torch.autograd.grad(loss, [hidden_states, *params])
 
 
-def _check_gemma_qkv_norm(batch, seq, hidden, q_heads, head_dim, device):
+def _check_gemma_qkv_norm(batch, seq, hidden, q_heads, head_dim, device, monkeypatch):
     layers = _layers(hidden, q_heads, 1, head_dim, device)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(batch, seq, hidden, generator=generator).to(device, torch.bfloat16).requires_grad_()
@@ -70,26 +82,33 @@ def _check_gemma_qkv_norm(batch, seq, hidden, q_heads, head_dim, device):
     for a, b in zip(ours, plain):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)  # the same forward
     got = _gradients(ours, upstream, x, layers)
-    want = _gradients(plain, upstream, x, layers)
+    with monkeypatch.context() as patched:
+        patched.setattr(modules, "_qkv_backward", lambda _: qkv_reference.qkv_qknorm_backward)
+        contract = _gradients(module(x), upstream, x, layers)
+    autograd = _gradients(plain, upstream, x, layers)
     x64 = x.detach().double().requires_grad_()
     layers64 = _layers(hidden, q_heads, 1, head_dim, device, dtype=torch.float64)
     for layer, source in zip(layers64, layers):
         layer.weight.data = source.weight.detach().double()
     exact = _gradients(_attention_inputs(layers64, x64, head_dim), upstream, x64, layers64)
-    got = [g.to(w.dtype) for g, w in zip(got, want)]
-    assert_parity(GRAD_NAMES, got, want, QKV.atol(seq, batch), exact, f"GemmaQKVNorm on {device}")
+    got = [g.to(w.dtype) for g, w in zip(got, autograd)]
+    contract = [g.to(w.dtype) for g, w in zip(contract, autograd)]
+    context = f"GemmaQKVNorm on {device}"
+    assert_parity(GRAD_NAMES, got, contract, QKV.atol(seq, batch), context=context)
+    against_autograd = check_outputs(GRAD_NAMES, got, autograd, QKV.atol(seq, batch), exact)
+    assert all(r.accuracy_ok for r in against_autograd), "\n".join([context, *(r.line() for r in against_autograd)])
 
 
-def test_gemma_qkv_norm_gradients_on_cpu():
+def test_gemma_qkv_norm_gradients_on_cpu(monkeypatch):
     """The wiring, with the op's reference as the backward: what is saved, in which dtypes, and
     how each gradient maps to its parameter."""
-    _check_gemma_qkv_norm(2, 5, 64, 4, 32, "cpu")
+    _check_gemma_qkv_norm(2, 5, 64, 4, 32, "cpu", monkeypatch)
 
 
 @pytest.mark.gpu
-def test_gemma_qkv_norm_gradients_on_the_gpu():
+def test_gemma_qkv_norm_gradients_on_the_gpu(monkeypatch):
     """Gemma-3-270m's widths, the kernel as the backward."""
-    _check_gemma_qkv_norm(2, 128, 640, 4, 256, "cuda")
+    _check_gemma_qkv_norm(2, 128, 640, 4, 256, "cuda", monkeypatch)
 
 
 def test_gemma_qkv_norm_refuses_what_the_op_cannot_do():
