@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 
 from ..references import qkv_qknorm as qkv_reference
+from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
 
 
 def _qkv_backward(hidden_states):
-    """The op on CUDA tensors, its plain-PyTorch reference (the contract's arithmetic) elsewhere."""
+    """The op on CUDA tensors, its plain-PyTorch reference (the contract's arithmetic) elsewhere.
+    The op as its custom operator, so torch.compile of a patched model traces through the
+    backward (the dispatcher's few us a call are nothing beside a layer's backward)."""
     if hidden_states.is_cuda:
-        from .qkv_qknorm_backward import qkv_qknorm_backward
-
-        return qkv_qknorm_backward
+        return torch.ops.cutebwd.qkv_qknorm_backward
     return qkv_reference.qkv_qknorm_backward
 
 

@@ -71,6 +71,31 @@ def test_gemma3_training_step_on_the_gpu(dims):
     _check_gemma3_step("cuda", 2, 64, **dims)
 
 
+def _check_compiled_step(device, backend, **dims):
+    """torch.compile of a patched model traces the fused layers whole (fullgraph: the backward
+    is a custom operator on CUDA, the reference on CPU) and trains as the patched model does."""
+    model = _gemma3(**dims).to(device, torch.bfloat16)
+    cutebwd.patch(model)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    loss, want = _step(model, ids)
+    compiled_loss, got = _step(compiled, ids)
+    got = {name.removeprefix("_orig_mod."): grad for name, grad in got.items()}
+    torch.testing.assert_close(compiled_loss.float(), loss.float(), rtol=1e-2, atol=1e-2)
+    names = sorted(want)
+    assert sorted(got) == names
+    assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, context=f"compiled step on {device}")
+
+
+def test_patched_model_compiles_whole_on_cpu():
+    _check_compiled_step("cpu", "aot_eager")
+
+
+@pytest.mark.gpu
+def test_patched_model_compiles_whole_on_the_gpu():
+    _check_compiled_step("cuda", "inductor", hidden=640, heads=4, head_dim=256)
+
+
 def test_refuses_before_changing_anything():
     model = _gemma3(kv_heads=2, heads=4).to(torch.bfloat16)
     with pytest.raises(ValueError, match="one kv head"):

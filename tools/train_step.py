@@ -1,7 +1,8 @@
-"""A training step's decoder layer, three ways in one run: transformers' model as it is (eager),
-torch.compile of it, and the same model after cutebwd.patch. Forward + backward of a one-layer
-text model fed input embeddings (the layer, its rotary tables and the final norm), bf16 random
-weights at a real model's widths, tokens per second.
+"""A training step's decoder layer, four ways in one run: transformers' model as it is (eager),
+torch.compile of it, the same model after cutebwd.patch, and torch.compile of the patched model
+(the fused layers' backward is a custom operator, so it compiles whole). Forward + backward of
+a one-layer text model fed input embeddings (the layer, its rotary tables and the final norm),
+bf16 random weights at a real model's widths, tokens per second.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--json FILE]
 
@@ -76,17 +77,22 @@ def main(argv=None) -> int:
         compiled = torch.compile(copy.deepcopy(eager))
         patched = copy.deepcopy(eager)
         cutebwd.patch(patched)
+        patched_compiled = copy.deepcopy(eager)
+        cutebwd.patch(patched_compiled)
+        patched_compiled = torch.compile(patched_compiled)
+        variants = (("eager", eager), ("torch.compile", compiled), ("cutebwd.patch", patched),
+                    ("cutebwd.patch + torch.compile", patched_compiled))
         for seq in args.seq or [512, 2048]:
             tokens = args.batch * seq
             row = {"model": name, "batch": args.batch, "seq": seq}
-            for label, model in (("eager", eager), ("torch.compile", compiled), ("cutebwd.patch", patched)):
+            for label, model in variants:
                 progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}")
                 ms = step_ms(model, args.batch, seq)
                 row[label] = {"ms": ms, "tokens_per_s": tokens / (ms * 1e-3)}
             rows.append(row)
             print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(
                 f"{label} {row[label]['ms']:7.3f} ms ({row[label]['tokens_per_s'] / 1e6:5.2f} M tok/s)"
-                for label in ("eager", "torch.compile", "cutebwd.patch")), flush=True)
+                for label, _ in variants), flush=True)
     write_results(args.json, rows=rows)
     return 0
 
