@@ -18,7 +18,7 @@ import, and `cutebwd.references` needs none of it):
                                                   autograd module over Gemma3 attention's layers,
                                                   051's kernel as its backward
     cutebwd.patch(model)                          a transformers model's layers onto these backwards,
-                                                  in place (kernels/hf_patch.py: Gemma3 today)
+                                                  in place (kernels/hf_patch.py: Gemma3, Qwen3, Mistral)
     cutebwd.check_errors(device=None)             synchronizes and raises an error the device recorded
                                                   (out-of-range ids of a deferred check)
 

@@ -5,9 +5,12 @@ What is swapped, by model family:
 - Gemma3 (text models: Gemma3ForCausalLM, Gemma3TextModel, and the text model of
   Gemma3ForConditionalGeneration): each attention layer's Q/K/V projections and Q/K norms run as
   one GemmaQKVNorm (kernels/modules.py), whose backward is the QKV + Q/K-norm kernel. Needs one
-  kv head (Gemma-3-270m, 1B), no attention bias, bf16 parameters.
-- Qwen3 and Mistral: nothing yet. Their attention has several kv heads, which the QKV kernel
-  does not read, and their norms multiply by w, not 1 + w; `patch` refuses them with that reason.
+  kv head (Gemma-3-270m, 1B), no attention bias. Its other RMSNorm layers (four a decoder
+  layer, the final norm) run as modules.rms_norm with scale 1 + w.
+- Qwen3 and Mistral: every RMSNorm layer (two a decoder layer, Qwen3's Q/K norms, the final
+  norm) runs as modules.rms_norm, whose backward is the RMSNorm row kernel. Their attention has
+  several kv heads, which the QKV kernel does not read, so it stays as it is.
+All need bf16 parameters.
 
 How: the attention's own forward still runs. Its q_proj computes the fused Q, K and V for the
 hidden states and returns Q (already normed) in the projection's [b, s, heads * d] layout; k_proj
@@ -23,12 +26,11 @@ import types
 
 import torch
 
-from .modules import GemmaQKVNorm
+from .modules import GemmaQKVNorm, rms_norm
 
-_FAMILIES_NOT_YET = {
-    "qwen3": "Qwen3 attention has several kv heads (the QKV kernel reads one) and its Q/K norms scale by w",
-    "mistral": "Mistral attention has several kv heads (the QKV kernel reads one) and no Q/K norms",
-}
+# RMSNorm classes by family, and whether they scale by 1 + w
+NORMS = {"Gemma3RMSNorm": True, "Qwen3RMSNorm": False, "MistralRMSNorm": False}
+FAMILIES = ("gemma3", "gemma3_text", "qwen3", "mistral")
 
 
 class Patch:
@@ -51,18 +53,40 @@ def patch(model: torch.nn.Module) -> Patch:
     for a model family or configuration the kernels do not cover."""
     config = getattr(model, "config", None)
     model_type = getattr(getattr(config, "text_config", config), "model_type", None)
-    if model_type in _FAMILIES_NOT_YET:
-        raise ValueError(f"cutebwd.patch: nothing to patch in {type(model).__name__}: {_FAMILIES_NOT_YET[model_type]}")
     attentions = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Gemma3Attention"]
-    if not attentions:
-        raise ValueError(f"cutebwd.patch: {type(model).__name__} is not a Gemma3 model (model_type "
-                         f"{model_type!r}); patched families: Gemma3")
-    fused_layers = [_gemma_qkv_norm(name, attention) for name, attention in attentions]  # checks all first
+    fused_norms = {id(m) for _, attention in attentions for m in (attention.q_norm, attention.k_norm)}
+    norms = [(name, m) for name, m in model.named_modules() if type(m).__name__ in NORMS and id(m) not in fused_norms]
+    if model_type not in FAMILIES or not (attentions or norms):
+        raise ValueError(f"cutebwd.patch: {type(model).__name__} (model_type {model_type!r}) is not a model "
+                         f"cutebwd patches; patched families: Gemma3, Qwen3, Mistral")
+    # every check before any change
+    fused_layers = [_gemma_qkv_norm(name, attention) for name, attention in attentions]
+    for name, norm in norms:
+        _check_norm(name, norm)
     result = Patch()
     for (name, attention), fused in zip(attentions, fused_layers):
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
+    for name, norm in norms:
+        _route_norm(norm, NORMS[type(norm).__name__], result)
+        result.replaced.append(name)
     return result
+
+
+def _check_norm(name: str, norm):
+    if norm.weight.dtype != torch.bfloat16:
+        raise ValueError(f"cutebwd.patch: {name}: the kernels take bf16 parameters, got {norm.weight.dtype}")
+
+
+def _route_norm(norm, one_plus: bool, result: Patch):
+    """The norm's forward, bound on the instance: the same output through modules.rms_norm."""
+    eps = norm.eps if one_plus else norm.variance_epsilon
+
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self.weight, eps, one_plus)
+
+    norm.forward = types.MethodType(forward, norm)
+    result._restore.append(norm)
 
 
 def _gemma_qkv_norm(name: str, attention) -> GemmaQKVNorm:

@@ -7,6 +7,10 @@ On CUDA tensors the backward is the op; on CPU tensors it is the op's plain-PyTo
     GemmaQKVNorm(q_proj, k_proj, v_proj, q_norm, k_norm, q_heads, kv_heads)
         hidden_states [b, s, H] -> query, key [b, heads, s, d] after Gemma3's RMSNorm (scale
         1 + w), value [b, kv_heads, s, d]; the backward is qkv_qknorm_backward.
+    rms_norm(x, weight, eps, one_plus=False)
+        a model's RMSNorm over the last dim, as transformers computes it: weight * bf16(x * rstd)
+        (Llama, Qwen3, Mistral) or bf16(x * rstd * (1 + weight)) in fp32 (Gemma3, one_plus);
+        the backward is the RMSNorm row kernel (rmsnorm_backward.MODEL_FORM).
 """
 from __future__ import annotations
 
@@ -99,3 +103,50 @@ class GemmaQKVNorm(torch.nn.Module):
         return _QKVNormFunction.apply(hidden_states, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                       self.q_norm.weight, self.k_norm.weight, self.q_heads, self.kv_heads,
                                       self.q_norm.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, one_plus):
+        # transformers' own sequence of operations, so the output is bitwise the model's
+        x32 = x.to(torch.float32)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        if one_plus:
+            out = (x32 * rstd * (1.0 + weight.float())).type_as(x)
+        else:
+            out = weight * (x32 * rstd).to(x.dtype)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.one_plus = one_plus
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        hidden = x.shape[-1]
+        scale = weight.float() + 1.0 if ctx.one_plus else weight.float()
+        rows = (grad.contiguous().reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
+        if x.is_cuda and _kernel_reads(x, grad):
+            grad_x, grad_weight = torch.ops.cutebwd.rmsnorm_backward(*rows, scale)
+        else:
+            grad_x, grad_weight = _rmsnorm_backward_reference(*rows, scale)
+        return grad_x.view(x.shape), grad_weight.to(weight.dtype), None, None
+
+
+def _kernel_reads(x, grad) -> bool:
+    """What the row kernel takes: bf16 rows of a multiple of 8 elements (else the reference runs)."""
+    return x.dtype == grad.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0
+
+
+def _rmsnorm_backward_reference(grad, x, rstd, scale):
+    """The kernel's arithmetic in PyTorch: fp32 throughout, grad_x rounded once."""
+    from ..references.rmsnorm import normalized_dx
+
+    g, normalized = grad.float(), x.float() * rstd
+    grad_x = normalized_dx(g * scale, normalized, rstd)
+    return grad_x.to(x.dtype), (g * normalized).reshape(-1, x.shape[-1]).sum(0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x as transformers computes it (module docstring); on CUDA bf16
+    rows of a multiple of 8 elements the backward is the RMSNorm row kernel, else PyTorch."""
+    return _RMSNormFunction.apply(x, weight, eps, one_plus)

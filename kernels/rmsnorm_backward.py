@@ -83,13 +83,21 @@ class RowForm:
 
     dx_from_x: where normalized is read, dx still comes from x, which is read as well (the
     decoder layer's contract); otherwise (the default form's) dx comes from normalized and x is
-    not read. Without normalized the pass always reads x and takes dx from it."""
+    not read. Without normalized the pass always reads x and takes dx from it.
+
+    single_output: dx is written once (a plain RMSNorm's input gradient, `MODEL_FORM`), not as
+    the two summands' equal gradients."""
     grad: type = BFloat16
     x: type = Float32
     weight: type = Float32
     from_variance: bool = False
     residual_grad: bool = False
     dx_from_x: bool = False
+    single_output: bool = False
+
+    @property
+    def writes_grad_residual(self) -> bool:
+        return not (self.residual_grad or self.single_output)
 
     def reads_x(self, read_normalized: bool) -> bool:
         return self.dx_from_x or not read_normalized
@@ -99,7 +107,7 @@ class RowForm:
         if self == RowForm():
             return ()
         return (self.grad.__name__, self.x.__name__, self.weight.__name__, self.from_variance,
-                self.residual_grad, self.dx_from_x)
+                self.residual_grad, self.dx_from_x, self.single_output)
 
 
 class FusedResidualRmsNormBackward:
@@ -382,7 +390,7 @@ def _fake_args(hidden: int, read_normalized: bool, clusters: int = 0, form: RowF
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     x = rows_of(form.x) if form.reads_x(read_normalized) else None
     normalized = rows_of(Float32) if read_normalized else None
-    grad_residual = None if form.residual_grad else rows_of(BFloat16)
+    grad_residual = rows_of(BFloat16) if form.writes_grad_residual else None
     tensors = (rows_of(form.grad), x, normalized, rstd, weight, rows_of(BFloat16),
                grad_residual, grad_weight)
     if clusters == 0:
@@ -551,12 +559,13 @@ DECODER_FORM = RowForm(grad=Float32, x=BFloat16, weight=BFloat16, from_variance=
 class _FormEntry:
     """A RowForm's grid path for one (hidden size, device), resolved once."""
 
-    def __init__(self, form: RowForm, hidden: int, device):
+    def __init__(self, form: RowForm, hidden: int, device, read_normalized: bool = True, ctas_per_sm: int = 1):
         import torch
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.max_ctas = sms  # one CTA per SM: its ring takes most of the shared memory
-        self.run = runtime.ffi_function(_build(hidden, True, runtime.device_arch(device.index), form=form))
+        # DECODER_FORM: one CTA per SM, its ring takes most of the shared memory
+        self.max_ctas = ctas_per_sm * sms
+        self.run = runtime.ffi_function(_build(hidden, read_normalized, runtime.device_arch(device.index), form=form))
         self.workspace = runtime.StreamWorkspace(self.max_ctas, hidden, device)
 
 
@@ -585,6 +594,36 @@ def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, re
               min(rows, entry.max_ctas), residual_grad, eps)
 
 
+# A model's RMSNorm layer (kernels/modules.py RMSNorm): bf16 gradient and input, rstd given, the
+# weight in fp32 (w, or Gemma's 1 + w), dx written once, normalized = x * rstd (x is what the
+# forward saves).
+MODEL_FORM = RowForm(grad=BFloat16, x=BFloat16, weight=Float32, single_output=True)
+
+
+def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
+    """A plain RMSNorm's backward, one pass over the rows (MODEL_FORM):
+
+        out = bf16(rms_dx(grad * weight, x, rstd));  grad_weight = sum over rows of grad * x * rstd
+
+    grad, x and out bf16 [b, s, H] (H a multiple of 8, row starts 16-byte aligned); rstd fp32
+    [b, s, 1]; weight and grad_weight fp32 [H], grad_weight bitwise repeatable. The caller checks
+    dtypes and shapes (kernels/modules.py); the C entry point checks them again with strides and
+    alignment."""
+    batch, seq, hidden = x.shape
+    key = (hidden, x.get_device())
+    entry = _model_entries.get(key) or _model_entries.setdefault(
+        key, _FormEntry(MODEL_FORM, hidden, x.device, read_normalized=False, ctas_per_sm=GRID_CTAS_PER_SM))
+    rows = batch * seq
+    if rows == 0:
+        grad_weight.zero_()
+        return
+    entry.run(grad, x, None, rstd, weight, out, None, grad_weight, entry.workspace.get(), min(rows, entry.max_ctas),
+              None, None)
+
+
+_model_entries: dict = {}
+
+
 AUDIT_BUILDS = {
     f"fused_residual_rmsnorm_backward[H={h},{'normalized' if rn else 'normalized=None'}]":
         (lambda arch, dump_dir, h=h, rn=rn: _build(h, rn, arch, dump_dir))
@@ -597,6 +636,10 @@ AUDIT_BUILDS.update({
 })
 AUDIT_BUILDS["fused_residual_rmsnorm_backward[H=5120,056 form]"] = \
     lambda arch, dump_dir: _build(5120, True, arch, dump_dir, form=DECODER_FORM)
+AUDIT_BUILDS.update({  # Qwen3-4B's layer norms, and its Q/K norms over head_dim 128
+    f"rmsnorm_backward[H={h},model form]": (lambda arch, dump_dir, h=h: _build(h, False, arch, dump_dir, form=MODEL_FORM))
+    for h in (2560, 128)
+})
 # Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no
 # local-memory spills, no atomics (grad_weight's order is fixed).
 # The one-cluster builds launch 16 CTAs per cluster (non-portable: the op asks the driver first).

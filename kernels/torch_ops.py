@@ -35,6 +35,24 @@ def _(grad_output, x, normalized, rstd, weight):
         weight.new_empty(weight.shape, dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{_LIBRARY}::rmsnorm_backward", mutates_args=())
+def rmsnorm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's plain RMSNorm backward -> (grad_x bf16, grad_weight fp32): grad, x bf16 [b, s, H],
+    rstd fp32 [b, s, 1], weight fp32 [H]; see rmsnorm_backward.rmsnorm_backward (the backward of
+    kernels/modules.py's RMSNorm, which checks its arguments)."""
+    from .rmsnorm_backward import rmsnorm_backward as op
+
+    grad_x, grad_weight = torch.empty_like(x), torch.empty_like(weight)
+    op(grad, x, rstd, weight, grad_x, grad_weight)
+    return grad_x, grad_weight
+
+
+@rmsnorm_backward.register_fake
+def _(grad, x, rstd, weight):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
 @torch.library.custom_op(f"{_LIBRARY}::embedding_rmsnorm_backward", mutates_args=())
 def embedding_rmsnorm_backward(grad_output: torch.Tensor, input_ids: torch.Tensor, hidden_states: torch.Tensor,
                                rstd: torch.Tensor, norm_weight: torch.Tensor, vocab_size: int = 65536

@@ -32,6 +32,32 @@ def _gemma3(hidden=64, heads=4, kv_heads=1, head_dim=32, layers=2, **extra):
     return model
 
 
+def _qwen3(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2):
+    config = transformers.Qwen3Config(
+        vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=64,
+        attn_implementation="eager")
+    return _random_norms(transformers.Qwen3ForCausalLM, config)
+
+
+def _mistral(hidden=64, heads=4, kv_heads=2, layers=2):
+    config = transformers.MistralConfig(
+        vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
+        attn_implementation="eager")
+    return _random_norms(transformers.MistralForCausalLM, config)
+
+
+def _random_norms(model_class, config):
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():  # norm weights start at one: give them something to learn from
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1, 0.3)
+    return model
+
+
 def _step(model, ids):
     """One training step's loss and gradients, by parameter name."""
     model.zero_grad(set_to_none=True)
@@ -40,12 +66,15 @@ def _step(model, ids):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check_gemma3_step(device, batch, seq, **dims):
-    exact_model = _gemma3(**dims).to(device, torch.float64)
-    model = _gemma3(**dims).to(device, torch.bfloat16)
+def _check_step(make_model, norms_a_layer, device, batch, seq, **dims):
+    exact_model = make_model(**dims).to(device, torch.float64)
+    model = make_model(**dims).to(device, torch.bfloat16)
     patched = copy.deepcopy(model)
     handle = cutebwd.patch(patched)
-    assert len(handle.replaced) == model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    fused = [name for name in handle.replaced if name.endswith("k_norm]")]
+    assert len(fused) == (layers if make_model is _gemma3 else 0)
+    assert len(handle.replaced) - len(fused) == norms_a_layer * layers + 1  # and the final norm
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     exact_loss, exact = _step(exact_model, ids)
     loss, want = _step(model, ids)
@@ -54,21 +83,30 @@ def _check_gemma3_step(device, batch, seq, **dims):
     assert set(got) == set(want) == set(exact)
     names = sorted(want)
     assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, [exact[n] for n in names],
-                  f"Gemma3 step on {device}")
+                  f"{type(model).__name__} step on {device}")
     handle.undo()
     _, again = _step(patched, ids)  # the layers' own forwards again: what the unpatched model computes
     for n in names:
         torch.testing.assert_close(again[n], want[n], rtol=0, atol=0)
 
 
-def test_gemma3_training_step_on_cpu():
-    _check_gemma3_step("cpu", 2, 11)
+# (model, RMSNorm layers a decoder layer that patch routes through modules.rms_norm)
+FAMILIES = {"gemma3": (_gemma3, 4), "qwen3": (_qwen3, 4), "mistral": (_mistral, 2)}  # Qwen3's: with Q/K norms
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_training_step_on_cpu(family):
+    _check_step(*FAMILIES[family], "cpu", 2, 11)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dims", [{}, {"hidden": 640, "heads": 4, "head_dim": 256}])  # small; Gemma-3-270m's widths
-def test_gemma3_training_step_on_the_gpu(dims):
-    _check_gemma3_step("cuda", 2, 64, **dims)
+@pytest.mark.parametrize("family,dims", [
+    ("gemma3", {}), ("gemma3", {"hidden": 640, "heads": 4, "head_dim": 256}),  # small; Gemma-3-270m's widths
+    ("qwen3", {}), ("qwen3", {"hidden": 2560, "heads": 32, "kv_heads": 8, "head_dim": 128, "layers": 1}),  # 4B's
+    ("mistral", {}), ("mistral", {"hidden": 1024, "heads": 8, "kv_heads": 2, "layers": 1}),
+])
+def test_training_step_on_the_gpu(family, dims):
+    _check_step(*FAMILIES[family], "cuda", 2, 64, **dims)
 
 
 def _check_compiled_step(device, backend, **dims):
@@ -135,17 +173,11 @@ def test_refuses_before_changing_anything():
     assert all("forward" not in vars(m) for m in model.modules())  # no layer was touched
     with pytest.raises(ValueError, match="bf16 parameters"):
         cutebwd.patch(_gemma3())  # fp32
-    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16))
-    with pytest.raises(ValueError, match="Qwen3 attention has several kv heads"):
-        cutebwd.patch(qwen3)
-    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2))
-    with pytest.raises(ValueError, match="Mistral attention has several kv heads"):
-        cutebwd.patch(mistral)
-    with pytest.raises(ValueError, match="not a Gemma3 model"):
+    for fp32 in (_qwen3(), _mistral()):
+        with pytest.raises(ValueError, match="bf16 parameters"):
+            cutebwd.patch(fp32)
+        assert all("forward" not in vars(m) for m in fp32.modules())
+    with pytest.raises(ValueError, match="not a model cutebwd patches"):
         cutebwd.patch(torch.nn.Linear(3, 3))
 
 

@@ -6,8 +6,9 @@ bf16 random weights at a real model's widths, tokens per second.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--json FILE]
 
-Models: the widths of Gemma-3-270m and Gemma-3-1B (one kv head: the families cutebwd.patch
-covers). Needs a CUDA GPU and transformers (the `hf` extra).
+Models: the widths of Gemma-3-270m and Gemma-3-1B (fused Q/K/V with Q/K norms, and the other
+norms), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder (their norms). Needs a CUDA
+GPU and transformers (the `hf` extra).
 """
 from __future__ import annotations
 
@@ -17,25 +18,30 @@ import sys
 
 # Real models' widths (their configs on the Hugging Face hub).
 MODELS = {
-    "gemma3-270m": {"hidden_size": 640, "intermediate_size": 2048, "num_attention_heads": 4,
-                    "num_key_value_heads": 1, "head_dim": 256},
-    "gemma3-1b": {"hidden_size": 1152, "intermediate_size": 6912, "num_attention_heads": 4,
-                  "num_key_value_heads": 1, "head_dim": 256},
+    "gemma3-270m": ("Gemma3Text", {"hidden_size": 640, "intermediate_size": 2048, "num_attention_heads": 4,
+                                   "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256}),
+    "gemma3-1b": ("Gemma3Text", {"hidden_size": 1152, "intermediate_size": 6912, "num_attention_heads": 4,
+                                 "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256}),
+    "qwen3-4b": ("Qwen3", {"hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                           "num_key_value_heads": 8, "head_dim": 128}),
+    "mistral-small-24b": ("Mistral", {"hidden_size": 5120, "intermediate_size": 32768, "num_attention_heads": 32,
+                                      "num_key_value_heads": 8, "head_dim": 128}),
 }
 
 
-def one_layer(widths: dict):
-    """A one-layer Gemma3 text model at `widths`, bf16 on the GPU, transformers' default attention."""
+def one_layer(family: str, widths: dict):
+    """A one-layer text model of `family` at `widths`, bf16 on the GPU, transformers' default
+    attention, norm weights drawn around their family's start (trained ones have moved off it)."""
     import torch
     import transformers
 
-    config = transformers.Gemma3TextConfig(num_hidden_layers=1, vocab_size=256, query_pre_attn_scalar=256, **widths)
+    config = getattr(transformers, f"{family}Config")(num_hidden_layers=1, vocab_size=256, **widths)
     torch.manual_seed(0)
-    model = transformers.Gemma3TextModel(config).to("cuda", torch.bfloat16)
-    with torch.no_grad():  # Gemma3's norm weights start at zero; trained ones do not
+    model = getattr(transformers, f"{family}Model")(config).to("cuda", torch.bfloat16)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.normal_(0, 0.3)
+                p.normal_(0 if family.startswith("Gemma") else 1, 0.3)  # Gemma scales by 1 + w
     return model
 
 
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for name in args.model or sorted(MODELS):
-        eager = one_layer(MODELS[name])
+        eager = one_layer(*MODELS[name])
         compiled = torch.compile(copy.deepcopy(eager))
         patched = copy.deepcopy(eager)
         cutebwd.patch(patched)
