@@ -4,9 +4,11 @@ place, parameters and checkpoint names untouched.
 What is swapped, by model family:
 - Gemma3 (text models: Gemma3ForCausalLM, Gemma3TextModel, and the text model of
   Gemma3ForConditionalGeneration): each attention layer's Q/K/V projections and Q/K norms run as
-  one GemmaQKVNorm (kernels/modules.py), whose backward is the QKV + Q/K-norm kernel. Needs one
-  kv head (Gemma-3-270m, 1B), no attention bias. Its other RMSNorm layers (four a decoder
-  layer, the final norm) run as modules.rms_norm with scale 1 + w.
+  one GemmaQKVNorm (kernels/modules.py), whose backward is the QKV + Q/K-norm kernel, where
+  the kernel reads the attention: one kv head (Gemma-3-270m, 1B), no bias; elsewhere (Gemma-3-4B
+  and up) the attention stays as it is, its Q/K norms with the others, and `Patch.left` says
+  why. Its other RMSNorm layers (four a decoder layer, the final norm) run as modules.rms_norm
+  with scale 1 + w.
 - Qwen3 and Mistral: every RMSNorm layer (two a decoder layer, Qwen3's Q/K norms, the final
   norm) runs as modules.rms_norm, whose backward is the RMSNorm row kernel. Their attention has
   several kv heads, which the QKV kernel does not read, so it stays as it is.
@@ -34,10 +36,12 @@ FAMILIES = ("gemma3", "gemma3_text", "qwen3", "mistral")
 
 
 class Patch:
-    """What `patch` replaced: `replaced` lists the layers by name; `undo()` restores them."""
+    """What `patch` replaced: `replaced` lists the layers by name, `left` the layers it could
+    have fused and did not, with why; `undo()` restores them."""
 
     def __init__(self):
         self.replaced: list[str] = []
+        self.left: list[str] = []
         self._restore: list = []
 
     def undo(self):
@@ -54,17 +58,23 @@ def patch(model: torch.nn.Module) -> Patch:
     config = getattr(model, "config", None)
     model_type = getattr(getattr(config, "text_config", config), "model_type", None)
     attentions = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Gemma3Attention"]
-    fused_norms = {id(m) for _, attention in attentions for m in (attention.q_norm, attention.k_norm)}
-    norms = [(name, m) for name, m in model.named_modules() if type(m).__name__ in NORMS and id(m) not in fused_norms]
-    if model_type not in FAMILIES or not (attentions or norms):
+    if model_type not in FAMILIES or not (attentions or any(type(m).__name__ in NORMS for m in model.modules())):
         raise ValueError(f"cutebwd.patch: {type(model).__name__} (model_type {model_type!r}) is not a model "
                          f"cutebwd patches; patched families: Gemma3, Qwen3, Mistral")
     # every check before any change
-    fused_layers = [_gemma_qkv_norm(name, attention) for name, attention in attentions]
+    result = Patch()
+    fused_layers = []
+    for name, attention in attentions:
+        fused = _gemma_qkv_norm(name, attention)
+        if isinstance(fused, str):
+            result.left.append(f"{name}: {fused}")
+        else:
+            fused_layers.append((name, attention, fused))
+    fused_norms = {id(m) for _, attention, _ in fused_layers for m in (attention.q_norm, attention.k_norm)}
+    norms = [(name, m) for name, m in model.named_modules() if type(m).__name__ in NORMS and id(m) not in fused_norms]
     for name, norm in norms:
         _check_norm(name, norm)
-    result = Patch()
-    for (name, attention), fused in zip(attentions, fused_layers):
+    for name, attention, fused in fused_layers:
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
     for name, norm in norms:
@@ -89,7 +99,9 @@ def _route_norm(norm, one_plus: bool, result: Patch):
     result._restore.append(norm)
 
 
-def _gemma_qkv_norm(name: str, attention) -> GemmaQKVNorm:
+def _gemma_qkv_norm(name: str, attention) -> GemmaQKVNorm | str:
+    """The attention's fused module, or why the kernel does not read it; raises for parameters
+    that are not bf16 (no kernel takes them)."""
     config = attention.config
     q_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dtypes = {p.dtype for layer in (attention.q_proj, attention.k_proj, attention.v_proj, attention.q_norm,
@@ -101,7 +113,7 @@ def _gemma_qkv_norm(name: str, attention) -> GemmaQKVNorm:
         return GemmaQKVNorm(attention.q_proj, attention.k_proj, attention.v_proj, attention.q_norm,
                             attention.k_norm, q_heads=q_heads, kv_heads=kv_heads)
     except ValueError as error:
-        raise ValueError(f"cutebwd.patch: {name}: {error}") from None
+        return f"not fused: {error}"
 
 
 def _route_through(attention, fused: GemmaQKVNorm, result: Patch):
