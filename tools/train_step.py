@@ -2,7 +2,8 @@
 torch.compile of it, the same model after cutebwd.patch, and torch.compile of the patched model
 (the fused layers' backward is a custom operator, so it compiles whole). Forward + backward of
 a one-layer text model fed input embeddings (the layer, its rotary tables and the final norm),
-bf16 random weights at a real model's widths, tokens per second.
+bf16 random weights at a real model's widths: ms a step, ms of its backward alone (one
+forward's graph run backward again and again), and tokens per second in the JSON.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--json FILE]
 
@@ -45,8 +46,9 @@ def one_layer(family: str, widths: dict):
     return model
 
 
-def step_ms(model, batch: int, seq: int) -> float:
-    """Milliseconds a forward + backward of `model` on random input embeddings."""
+def step_ms(model, batch: int, seq: int) -> tuple[float, float]:
+    """(milliseconds a forward + backward of `model` on random input embeddings, milliseconds
+    of the backward alone: one forward's graph run backward again and again)."""
     import torch
 
     from cutebwd.tools.timing import time_ms
@@ -58,7 +60,9 @@ def step_ms(model, batch: int, seq: int) -> float:
     def step(x):
         model(inputs_embeds=x).last_hidden_state.backward(upstream)
 
-    return time_ms(step, [(embeds,)], budget_ms=200, repeats=5)
+    out = model(inputs_embeds=embeds).last_hidden_state
+    return (time_ms(step, [(embeds,)], budget_ms=200, repeats=5),
+            time_ms(lambda: out.backward(upstream, retain_graph=True), [()], budget_ms=200, repeats=5))
 
 
 def main(argv=None) -> int:
@@ -93,11 +97,11 @@ def main(argv=None) -> int:
             row = {"model": name, "batch": args.batch, "seq": seq}
             for label, model in variants:
                 progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}")
-                ms = step_ms(model, args.batch, seq)
-                row[label] = {"ms": ms, "tokens_per_s": tokens / (ms * 1e-3)}
+                ms, backward_ms = step_ms(model, args.batch, seq)
+                row[label] = {"ms": ms, "backward_ms": backward_ms, "tokens_per_s": tokens / (ms * 1e-3)}
             rows.append(row)
             print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(
-                f"{label} {row[label]['ms']:7.3f} ms ({row[label]['tokens_per_s'] / 1e6:5.2f} M tok/s)"
+                f"{label} {row[label]['ms']:7.3f} ms, backward {row[label]['backward_ms']:7.3f}"
                 for label, _ in variants), flush=True)
     write_results(args.json, rows=rows)
     return 0
