@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..references import qkv_qknorm as qkv_reference
+from ..references.rmsnorm import normalized_dx
 from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
 
 
@@ -139,8 +140,6 @@ def _kernel_reads(x, grad) -> bool:
 
 def _rmsnorm_backward_reference(grad, x, rstd, scale):
     """The kernel's arithmetic in PyTorch: fp32 throughout, grad_x rounded once."""
-    from ..references.rmsnorm import normalized_dx
-
     g, normalized = grad.float(), x.float() * rstd
     grad_x = normalized_dx(g * scale, normalized, rstd)
     return grad_x.to(x.dtype), (g * normalized).reshape(-1, x.shape[-1]).sum(0)
