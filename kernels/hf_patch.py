@@ -58,7 +58,8 @@ def patch(model: torch.nn.Module) -> Patch:
     config = getattr(model, "config", None)
     model_type = getattr(getattr(config, "text_config", config), "model_type", None)
     attentions = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Gemma3Attention"]
-    if model_type not in FAMILIES or not (attentions or any(type(m).__name__ in NORMS for m in model.modules())):
+    all_norms = [(name, m) for name, m in model.named_modules() if type(m).__name__ in NORMS]
+    if model_type not in FAMILIES or not (attentions or all_norms):
         raise ValueError(f"cutebwd.patch: {type(model).__name__} (model_type {model_type!r}) is not a model "
                          f"cutebwd patches; patched families: Gemma3, Qwen3, Mistral")
     # every check before any change
@@ -71,7 +72,7 @@ def patch(model: torch.nn.Module) -> Patch:
         else:
             fused_layers.append((name, attention, fused))
     fused_norms = {id(m) for _, attention, _ in fused_layers for m in (attention.q_norm, attention.k_norm)}
-    norms = [(name, m) for name, m in model.named_modules() if type(m).__name__ in NORMS and id(m) not in fused_norms]
+    norms = [(name, m) for name, m in all_norms if id(m) not in fused_norms]
     for name, norm in norms:
         _check_norm(name, norm)
     for name, attention, fused in fused_layers:

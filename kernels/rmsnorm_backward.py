@@ -559,17 +559,25 @@ DECODER_FORM = RowForm(grad=Float32, x=BFloat16, weight=BFloat16, from_variance=
 class _FormEntry:
     """A RowForm's grid path for one (hidden size, device), resolved once."""
 
-    def __init__(self, form: RowForm, hidden: int, device, read_normalized: bool = True, ctas_per_sm: int = 1):
+    def __init__(self, form: RowForm, hidden: int, device, read_normalized: bool, ctas_per_sm: int):
         import torch
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # DECODER_FORM: one CTA per SM, its ring takes most of the shared memory
         self.max_ctas = ctas_per_sm * sms
         self.run = runtime.ffi_function(_build(hidden, read_normalized, runtime.device_arch(device.index), form=form))
         self.workspace = runtime.StreamWorkspace(self.max_ctas, hidden, device)
 
 
-_form_entries: dict = {}
+_form_entries: dict = {}  # (form, hidden, device index) -> _FormEntry
+
+
+def _form_entry(form: RowForm, x, read_normalized: bool, ctas_per_sm: int) -> _FormEntry:
+    """The form's entry for x's hidden size and device, made on its first call."""
+    key = (form, x.shape[-1], x.get_device())
+    entry = _form_entries.get(key)
+    if entry is None:
+        entry = _form_entries[key] = _FormEntry(form, x.shape[-1], x.device, read_normalized, ctas_per_sm)
+    return entry
 
 
 def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, residual_grad, out, grad_weight):
@@ -583,9 +591,8 @@ def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, re
     of 8, row starts 16-byte aligned); variance fp32 [b, s, 1]; weight bf16 [H]; grad_weight fp32
     [H], bitwise repeatable (per-CTA partials added in a fixed order). The caller checks dtypes and
     shapes; the C entry point checks them again with strides and alignment."""
-    batch, seq, hidden = x.shape
-    key = (hidden, x.get_device())
-    entry = _form_entries.get(key) or _form_entries.setdefault(key, _FormEntry(DECODER_FORM, hidden, x.device))
+    batch, seq, _ = x.shape
+    entry = _form_entry(DECODER_FORM, x, True, 1)  # one CTA per SM: its ring takes most of the shared memory
     rows = batch * seq
     if rows == 0:
         grad_weight.zero_()
@@ -594,7 +601,7 @@ def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, re
               min(rows, entry.max_ctas), residual_grad, eps)
 
 
-# A model's RMSNorm layer (kernels/modules.py RMSNorm): bf16 gradient and input, rstd given, the
+# A model's RMSNorm layer (kernels/modules.py rms_norm): bf16 gradient and input, rstd given, the
 # weight in fp32 (w, or Gemma's 1 + w), dx written once, normalized = x * rstd (x is what the
 # forward saves).
 MODEL_FORM = RowForm(grad=BFloat16, x=BFloat16, weight=Float32, single_output=True)
@@ -609,10 +616,8 @@ def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
     [b, s, 1]; weight and grad_weight fp32 [H], grad_weight bitwise repeatable. The caller checks
     dtypes and shapes (kernels/modules.py); the C entry point checks them again with strides and
     alignment."""
-    batch, seq, hidden = x.shape
-    key = (hidden, x.get_device())
-    entry = _model_entries.get(key) or _model_entries.setdefault(
-        key, _FormEntry(MODEL_FORM, hidden, x.device, read_normalized=False, ctas_per_sm=GRID_CTAS_PER_SM))
+    batch, seq, _ = x.shape
+    entry = _form_entry(MODEL_FORM, x, False, GRID_CTAS_PER_SM)
     rows = batch * seq
     if rows == 0:
         grad_weight.zero_()
@@ -620,8 +625,6 @@ def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
     entry.run(grad, x, None, rstd, weight, out, None, grad_weight, entry.workspace.get(), min(rows, entry.max_ctas),
               None, None)
 
-
-_model_entries: dict = {}
 
 
 AUDIT_BUILDS = {
@@ -637,7 +640,8 @@ AUDIT_BUILDS.update({
 AUDIT_BUILDS["fused_residual_rmsnorm_backward[H=5120,056 form]"] = \
     lambda arch, dump_dir: _build(5120, True, arch, dump_dir, form=DECODER_FORM)
 AUDIT_BUILDS.update({  # Qwen3-4B's layer norms, and its Q/K norms over head_dim 128
-    f"rmsnorm_backward[H={h},model form]": (lambda arch, dump_dir, h=h: _build(h, False, arch, dump_dir, form=MODEL_FORM))
+    f"rmsnorm_backward[H={h},model form]":
+        (lambda arch, dump_dir, h=h: _build(h, False, arch, dump_dir, form=MODEL_FORM))
     for h in (2560, 128)
 })
 # Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no

@@ -40,7 +40,7 @@ def rmsnorm_backward(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, we
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """A model's plain RMSNorm backward -> (grad_x bf16, grad_weight fp32): grad, x bf16 [b, s, H],
     rstd fp32 [b, s, 1], weight fp32 [H]; see rmsnorm_backward.rmsnorm_backward (the backward of
-    kernels/modules.py's RMSNorm, which checks its arguments)."""
+    kernels/modules.py's rms_norm, which checks its arguments)."""
     from .rmsnorm_backward import rmsnorm_backward as op
 
     grad_x, grad_weight = torch.empty_like(x), torch.empty_like(weight)

@@ -23,13 +23,7 @@ def _gemma3(hidden=64, heads=4, kv_heads=1, head_dim=32, layers=2, **extra):
         vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
         sliding_window=8, max_position_embeddings=64, attn_implementation="eager", **extra)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config)
-    with torch.no_grad():  # Gemma3's norm weights start at zero: give them something to learn from
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0, 0.3)
-    return model
+    return _random_norms(transformers.Gemma3ForCausalLM, config, start=0.0)  # Gemma3 scales by 1 + w
 
 
 def _qwen3(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2):
@@ -48,13 +42,15 @@ def _mistral(hidden=64, heads=4, kv_heads=2, layers=2):
     return _random_norms(transformers.MistralForCausalLM, config)
 
 
-def _random_norms(model_class, config):
+def _random_norms(model_class, config, start=1.0):
+    """The model with its norm weights drawn around where they start (`start`), so their
+    gradients have something to learn from."""
     torch.manual_seed(0)
     model = model_class(config)
-    with torch.no_grad():  # norm weights start at one: give them something to learn from
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.normal_(1, 0.3)
+                p.normal_(start, 0.3)
     return model
 
 
