@@ -54,10 +54,10 @@ def _random_norms(model_class, config, start=1.0):
     return model
 
 
-def _step(model, ids):
+def _step(model, ids, masks=None):
     """One training step's loss and gradients, by parameter name."""
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids, attention_mask=masks).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -137,6 +137,17 @@ def test_patched_model_compiles_whole_on_the_gpu():
 
 
 @pytest.mark.gpu
+def _gemma3_masks(seq, window, device, dtype):
+    """Gemma3's additive attention masks (causal; causal within `window`), made before a
+    capture: transformers' own eager masks copy a host scalar, which a CUDA graph refuses."""
+    position = torch.arange(seq, device=device)
+    causal = position[:, None] >= position[None, :]
+    near = position[:, None] - position[None, :] < window
+    blocked = torch.finfo(dtype).min
+    additive = lambda keep: torch.where(keep, 0.0, blocked).to(dtype)[None, None]
+    return {"full_attention": additive(causal), "sliding_attention": additive(causal & near)}
+
+
 def test_patched_step_replays_in_a_cuda_graph():
     """A whole training step (forward, loss, backward) of a patched model captured once and
     replayed on new ids gives the eager step's loss and gradients for those ids."""
@@ -147,17 +158,18 @@ def test_patched_step_replays_in_a_cuda_graph():
     generator = torch.Generator().manual_seed(2)
     new_ids = lambda: torch.randint(0, model.config.vocab_size, (2, 32), generator=generator).to("cuda")
     static_ids = new_ids()
+    masks = _gemma3_masks(32, model.config.sliding_window, "cuda", torch.bfloat16)
     captured = {}
 
     def step():
         model.zero_grad(set_to_none=True)  # the graph's backward makes the .grad tensors it fills
-        loss = model(input_ids=static_ids, labels=static_ids).loss
+        loss = model(input_ids=static_ids, labels=static_ids, attention_mask=masks).loss
         loss.backward()
         captured.update(loss=loss, grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
     graph = capture(step)
     ids = new_ids()
-    want_loss, want = _step(model, ids)
+    want_loss, want = _step(model, ids, masks)
     static_ids.copy_(ids)
     graph.replay()
     torch.cuda.synchronize()

@@ -2,8 +2,8 @@
 torch.compile of it, the same model after cutebwd.patch, and torch.compile of the patched model
 (the fused layers' backward is a custom operator, so it compiles whole). Forward + backward of
 a one-layer text model fed input embeddings (the layer, its rotary tables and the final norm),
-bf16 random weights at a real model's widths: ms a step, ms of its backward alone (one
-forward's graph run backward again and again), and tokens per second in the JSON.
+bf16 random weights at a real model's widths: ms a step, ms of its backward alone (CUDA
+events around each backward call), and tokens per second in the JSON.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--json FILE]
 
@@ -46,9 +46,13 @@ def one_layer(family: str, widths: dict):
     return model
 
 
-def step_ms(model, batch: int, seq: int) -> tuple[float, float]:
+def step_ms(model, batch: int, seq: int, backward_calls: int = 20) -> tuple[float, float]:
     """(milliseconds a forward + backward of `model` on random input embeddings, milliseconds
-    of the backward alone: one forward's graph run backward again and again)."""
+    of the backward alone: the median over `backward_calls` steps of CUDA events around the
+    backward call, host time included). Each backward has its own forward: a graph run
+    backward twice (retain_graph) is refused by torch.compile's donated buffers."""
+    import statistics
+
     import torch
 
     from cutebwd.tools.timing import time_ms
@@ -60,9 +64,17 @@ def step_ms(model, batch: int, seq: int) -> tuple[float, float]:
     def step(x):
         model(inputs_embeds=x).last_hidden_state.backward(upstream)
 
-    out = model(inputs_embeds=embeds).last_hidden_state
-    return (time_ms(step, [(embeds,)], budget_ms=200, repeats=5),
-            time_ms(lambda: out.backward(upstream, retain_graph=True), [()], budget_ms=200, repeats=5))
+    ms = time_ms(step, [(embeds,)], budget_ms=200, repeats=5)  # warms up as well
+    events = []
+    for _ in range(backward_calls):
+        out = model(inputs_embeds=embeds).last_hidden_state
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out.backward(upstream)
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return ms, statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def main(argv=None) -> int:
