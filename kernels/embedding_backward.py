@@ -98,20 +98,20 @@ class EmbeddingRmsNormBackward:
     def __call__(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
                  norm_weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
                  grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, grid: Int32,
-                 poison: Int32, stream: cuda.CUstream):
+                 walker_rows: Int32, poison: Int32, stream: cuda.CUstream):
         """The ids sorted beforehand (int32 sorted ids and their int64 order; the index pass
         records bad ids). Of `grid` CTAs the first `ctas` walk the sorted positions and all fill
         a fresh table (see `kernel`). `poison` (fresh tables): 1 where the outputs are the
         call's own, which bad ids fill with NaN; 0 where they are the caller's, which bad ids
         leave untouched."""
         self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, None, table,
-                    grad_norm_weight, workspace, ctas, grid, poison, stream)
+                    grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream)
 
     @cute.jit
     def sort_on_chip(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
                      norm_weight: cute.Tensor, ids: cute.Tensor, sorted_ids: cute.Tensor, record: cute.Tensor,
                      table: cute.Tensor, grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32,
-                     grid: Int32, poison: Int32, stream: cuda.CUstream):
+                     grid: Int32, walker_rows: Int32, poison: Int32, stream: cuda.CUstream):
         """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32, [b, s], contiguous:
         the caller checks), each row-kernel CTA sorting them itself; CTA 0 leaves the sorted ids
         in `sorted_ids` (int32, at least as long) for the fix-up and bad ids' range in `record`
@@ -120,11 +120,11 @@ class EmbeddingRmsNormBackward:
         ids = cute.make_tensor(ids.iterator, cute.make_layout(cute.size(ids)))
         published = cute.make_tensor(sorted_ids.iterator, cute.make_layout(cute.size(ids)))
         self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, record, table,
-                    grad_norm_weight, workspace, ctas, grid, poison, stream)
+                    grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream)
 
     @cute.jit
     def launch(self, grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, ids, record, table,
-               grad_norm_weight, workspace, ctas, grid, poison, stream):
+               grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream):
         """workspace rows: [0, ctas) grad_norm_weight partials (fp32 whatever its dtype); ctas + 2c
         and ctas + 2c + 1 the head and tail segment partials of range c; the last row's first
         element the id status (ColumnSum's `skip`: 0 in range, 1 bad ids, 2 bad ids with
@@ -138,7 +138,7 @@ class EmbeddingRmsNormBackward:
         # A programmatic dependent of whatever ran before it (the radix sort's last pass): it
         # waits on griddepcontrol before reading anything but its inputs.
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
-                    sorted_ids, order, table, partials, carries, status, ids, record, ctas, poison).launch(
+                    sorted_ids, order, table, partials, carries, status, ids, record, ctas, walker_rows, poison).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
         # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch
         self.fixup(sorted_ids, table, carries, ctas, partials, grad_norm_weight, status, stream,
@@ -147,7 +147,8 @@ class EmbeddingRmsNormBackward:
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
                m_sorted: cute.Tensor, m_order, m_table: cute.Tensor, m_part: cute.Tensor,
-               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, ctas: Int32, poison: Int32):
+               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, ctas: Int32, walker_rows: Int32,
+               poison: Int32):
         """CTAs [0, ctas) walk ranges of the sorted positions (at least one each); every CTA of
         the grid fills its share of a fresh table, so a short call still fills with the whole
         GPU. Each CTA fills after its walk, so CTAs with short walks fill while others still
@@ -168,8 +169,11 @@ class EmbeddingRmsNormBackward:
             # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up.
             cute.arch.griddepcontrol_wait()  # as before PDL: CTA 0 publishes where the last call's fix-up read
             read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)
+            # A fresh table's CTAs that only fill need no order: they mark their rows from the raw
+            # ids (fill_plan) and skip the sort.
+            sort = Int32(1) if cutlass.const_expr(self.accumulate) else Int32(bidx < ctas)
             in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, bidx == 0, tidx,
-                                                   threads)
+                                                   threads, sort)
         else:
             read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)  # an input: before the wait
             cute.arch.griddepcontrol_wait()  # the sorted ids and order are complete past this point
@@ -281,36 +285,53 @@ class EmbeddingRmsNormBackward:
                 # Read again, not kept live across the walk: under sm_100a's 128-register cap
                 # ptxas would spill the two ends to local memory.
                 in_range = ids_in_range(m_sorted, m_table.shape[0])
-            first, rows, touched, value = self.fill_plan(smem, m_table, m_sorted, in_range, poison, bidx, tidx)
+            first, rows, touched, value = self.fill_plan(smem, m_table, m_sorted, m_ids, in_range, poison, bidx,
+                                                         ctas, walker_rows, tidx)
             self.fill(m_table, touched, first, rows, value, tidx)
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def fill_plan(self, smem, m_table, m_sorted, in_range, poison, bidx, tidx):
-        """-> (first, rows, touched, value): this CTA's share of a fresh table (rows first +
-        [0, rows) of an even cut of [0, V)), a bit per row set where a sorted id touches it,
-        and what the untouched rows get: zeros, or NaN for bad ids in the call's own table (a
-        caller's gets nothing: rows = 0)."""
+    def fill_plan(self, smem, m_table, m_sorted, m_ids, in_range, poison, bidx, ctas, walker_rows, tidx):
+        """-> (first, rows, touched, value): this CTA's share of a fresh table, rows first +
+        [0, rows) (the walking CTAs cut rows [0, walker_rows) evenly, the others the rest), a
+        bit per row set where a sorted id touches it, and what the untouched rows get: zeros,
+        or NaN for bad ids in the call's own table (a caller's gets nothing: rows = 0)."""
         grid, _, _ = cute.arch.grid_dim()
-        first = range_start(bidx, m_table.shape[0], grid)
-        rows = range_start(bidx + 1, m_table.shape[0], grid) - first
+        first = range_start(bidx, walker_rows, ctas)
+        rows = range_start(bidx + 1, walker_rows, ctas) - first
+        if bidx >= ctas:
+            first = walker_rows + range_start(bidx - ctas, m_table.shape[0] - walker_rows, grid - ctas)
+            rows = walker_rows + range_start(bidx + 1 - ctas, m_table.shape[0] - walker_rows, grid - ctas) - first
         value = Float32(0.0)
         if in_range == 0:
             value = Float32(float("nan"))
             if poison == 0:
                 rows = Int32(0)
-        marks = smem.allocate_tensor(Int8, cute.make_layout(FILL_ROWS), byte_alignment=16)
         touched = smem.allocate_tensor(Uint32, cute.make_layout(FILL_ROWS // 32), byte_alignment=16)
-        bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
-        self.mark_touched(marks, bounds, m_sorted, in_range, first, rows, tidx)
-        # The marks as bits, a word per 32 rows: the row loop reads shared memory once a word.
-        for w in cutlass.range(tidx, (rows + 31) // 32, self.threads):
-            bits = Uint32(0)
-            for b in cutlass.range_constexpr(32):
-                if marks[32 * w + b] != 0:
-                    bits = bits | Uint32(1 << b)
-            touched[w] = bits
+        if cutlass.const_expr(m_ids is not None):
+            # Ids sorted on chip (at most SORT_ON_CHIP_MAX_TOKENS): a bit per row set from the
+            # raw ids by integer atomics (repeated ids set it again), so a filling CTA needs no
+            # sort.
+            for w in cutlass.range(tidx, (rows + 31) // 32, self.threads):
+                touched[w] = Uint32(0)
+            cute.arch.barrier()
+            if in_range == 1:
+                for i in cutlass.range(tidx, cute.size(m_ids), self.threads):
+                    r = Int32(m_ids[i]) - first
+                    if r >= 0 and r < rows:
+                        cute.arch.atomic_or(touched.iterator + r // 32, Uint32(1) << Uint32(r % 32))
+        else:
+            marks = smem.allocate_tensor(Int8, cute.make_layout(FILL_ROWS), byte_alignment=16)
+            bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+            self.mark_touched(marks, bounds, m_sorted, in_range, first, rows, tidx)
+            # The marks as bits, a word per 32 rows: the row loop reads shared memory once a word.
+            for w in cutlass.range(tidx, (rows + 31) // 32, self.threads):
+                bits = Uint32(0)
+                for b in cutlass.range_constexpr(32):
+                    if marks[32 * w + b] != 0:
+                        bits = bits | Uint32(1 << b)
+                touched[w] = bits
         cute.arch.barrier()
         return first, rows, touched, value
 
@@ -486,7 +507,7 @@ def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None):
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, norm_weight,
-            *index, table, grad_norm_weight, workspace, Int32(1), Int32(1), Int32(0))
+            *index, table, grad_norm_weight, workspace, Int32(1), Int32(1), Int32(1), Int32(0))
 
 
 def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir=None, ids_dtype=None):
@@ -660,15 +681,30 @@ CHECK_IDS = ("deferred", "now")
 # 1024 tokens 26.4 / 26.1 / 23.5 / 32.7.
 TOKENS_PER_CTA = 8
 SMALL_CALL_TOKENS, SMALL_CALL_TOKENS_PER_CTA = 1024, 4
+# A fresh table is filled by FILL_WAVES x (resident CTAs): the block scheduler hands the later
+# CTAs' row shares to SMs as earlier CTAs finish, so no SM's slow share sets the call's end
+# (H200, fresh mean of the 16 workloads 207.3 us at one wave, 205.9 at four, 208.7 at two).
+WALKER_FILL_SHARE = 0.8
+FILL_WAVES = 4
 
 
 def _split(tokens: int, vocab_size: int, max_ctas: int, accumulate: bool):
-    """(walking CTAs, grid) of a call (EmbeddingRmsNormBackward.kernel): a fresh table is
-    filled by max_ctas CTAs whatever the token count, more where a CTA's share of the rows
-    would pass FILL_ROWS."""
+    """(walking CTAs, grid, walker_rows) of a call (EmbeddingRmsNormBackward.kernel): a fresh
+    table is filled by FILL_WAVES x max_ctas CTAs whatever the token count, more where a CTA's
+    share of the rows would pass FILL_ROWS. The walking CTAs fill rows [0, walker_rows), the others the rest:
+    where some CTAs only fill, a walking CTA takes WALKER_FILL_SHARE of a filling CTA's rows,
+    since its walk comes first."""
     per_cta = SMALL_CALL_TOKENS_PER_CTA if tokens < SMALL_CALL_TOKENS else TOKENS_PER_CTA
     walkers = min(-(-tokens // per_cta), max_ctas)
-    return walkers, walkers if accumulate else max(max_ctas, -(-vocab_size // FILL_ROWS))
+    if accumulate:
+        return walkers, walkers, 0
+    grid = max(FILL_WAVES * max_ctas, -(-vocab_size // FILL_ROWS))
+    walker_rows = vocab_size * walkers // grid  # an even cut
+    if walkers < grid:
+        weighted = int(vocab_size * walkers * WALKER_FILL_SHARE / (walkers * WALKER_FILL_SHARE + grid - walkers))
+        if -(-(vocab_size - weighted) // (grid - walkers)) <= FILL_ROWS:
+            walker_rows = weighted
+    return walkers, grid, walker_rows
 
 
 def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm_weight, *, vocab_size=65536,
@@ -737,18 +773,19 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
         grad_norm_weight.zero_()
         return out
     workspace, sorted_on_chip = entry.workspace.get()
-    ctas, grid = _split(tokens, vocab_size, entry.max_ctas, accumulate)
+    ctas, grid, walker_rows = _split(tokens, vocab_size, entry.max_ctas, accumulate)
     poison = int(own)
     try:
         if tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB:
             if not input_ids.is_contiguous():  # the kernel reads the [b, s] ids flat
                 input_ids = input_ids.contiguous()
             entry.run_sort_on_chip(grad_output, hidden_states, rstd, norm_weight, input_ids, sorted_on_chip,
-                                   entry.record, table, grad_norm_weight, workspace, ctas, grid, poison)
+                                   entry.record, table, grad_norm_weight, workspace, ctas, grid, walker_rows,
+                                   poison)
         else:
             sorted_ids, order = entry.sort(input_ids.reshape(tokens), vocab_size)
             entry.run(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
-                      workspace, ctas, grid, poison)
+                      workspace, ctas, grid, walker_rows, poison)
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)

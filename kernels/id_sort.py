@@ -28,11 +28,13 @@ MAX_VOCAB = (PAD >> TOKEN_BITS) - 1
 
 
 @cute.jit
-def sort_ids(smem, m_ids: cute.Tensor, vocab, m_publish: cute.Tensor, publish, tidx, threads: cutlass.Constexpr):
+def sort_ids(smem, m_ids: cute.Tensor, vocab, m_publish: cute.Tensor, publish, tidx, threads: cutlass.Constexpr,
+             sort=1):
     """-> (in_range, sorted ids, order): the last two shared-memory Int32 tensors of the call's
     token count. in_range is 0 when an id lies outside [0, vocab) (the views are then
     meaningless, but their last id lies outside the vocabulary too). Where `publish` is
-    nonzero the sorted ids also go to global m_publish, for a later kernel."""
+    nonzero the sorted ids also go to global m_publish, for a later kernel. Where `sort` is 0
+    the ids are only checked (a CTA that needs no order; the views are meaningless)."""
     tokens = cute.size(m_ids)
     keys = smem.allocate_tensor(Int32, cute.make_layout((MAX_TOKENS,)), byte_alignment=16)
     order = smem.allocate_tensor(Int32, cute.make_layout((MAX_TOKENS,)), byte_alignment=16)
@@ -56,7 +58,7 @@ def sort_ids(smem, m_ids: cute.Tensor, vocab, m_publish: cute.Tensor, publish, t
     # Bitonic merge steps (k, j): pair t compares keys i and i + j, i = (t / j) 2j + t % j,
     # ascending where bit k of i is clear.
     k = Int32(2)
-    while k <= n:
+    while k <= n * sort:
         j = k // 2
         while j > 0:
             for t in cutlass.range(tidx, n // 2, threads):
@@ -75,7 +77,7 @@ def sort_ids(smem, m_ids: cute.Tensor, vocab, m_publish: cute.Tensor, publish, t
             cute.arch.barrier()
             j = j // 2
         k = k * 2
-    for i in cutlass.range(tidx, tokens, threads):
+    for i in cutlass.range(tidx, tokens * sort, threads):
         key = keys[i]
         order[i] = key & (MAX_TOKENS - 1)
         keys[i] = key >> TOKEN_BITS

@@ -57,7 +57,7 @@ def _random_norms(model_class, config, start=1.0):
 def _step(model, ids, masks=None):
     """One training step's loss and gradients, by parameter name."""
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids, attention_mask=masks).loss
+    loss = model(input_ids=ids, labels=ids, attention_mask=masks, use_cache=False).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -136,10 +136,10 @@ def test_patched_model_compiles_whole_on_the_gpu():
     _check_compiled_step("cuda", "inductor", hidden=640, heads=4, head_dim=256)
 
 
-@pytest.mark.gpu
 def _gemma3_masks(seq, window, device, dtype):
     """Gemma3's additive attention masks (causal; causal within `window`), made before a
-    capture: transformers' own eager masks copy a host scalar, which a CUDA graph refuses."""
+    capture: transformers' own eager masks copy a host scalar, which a CUDA graph refuses (so
+    does its KV cache: the captured step runs with use_cache=False)."""
     position = torch.arange(seq, device=device)
     causal = position[:, None] >= position[None, :]
     near = position[:, None] - position[None, :] < window
@@ -148,6 +148,7 @@ def _gemma3_masks(seq, window, device, dtype):
     return {"full_attention": additive(causal), "sliding_attention": additive(causal & near)}
 
 
+@pytest.mark.gpu
 def test_patched_step_replays_in_a_cuda_graph():
     """A whole training step (forward, loss, backward) of a patched model captured once and
     replayed on new ids gives the eager step's loss and gradients for those ids."""
@@ -163,7 +164,7 @@ def test_patched_step_replays_in_a_cuda_graph():
 
     def step():
         model.zero_grad(set_to_none=True)  # the graph's backward makes the .grad tensors it fills
-        loss = model(input_ids=static_ids, labels=static_ids, attention_mask=masks).loss
+        loss = model(input_ids=static_ids, labels=static_ids, attention_mask=masks, use_cache=False).loss
         loss.backward()
         captured.update(loss=loss, grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
