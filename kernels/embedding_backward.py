@@ -62,7 +62,8 @@ from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_ke
 from .id_sort import report_bad_raw_ids
 from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
-                   read_row, ring_stages, row_sum, rows_view, store_row, thread_split, vector, wide_copy)
+                   read_row, ring_stages, row_sum, rows_view, store_row, thread_index_again, thread_split, vector,
+                   wide_copy)
 
 TARGET_VECTORS_PER_THREAD = 4  # H = 4096 -> 256 threads x 4 vectors
 CTAS_PER_SM = 2  # 256 threads x 128 registers
@@ -85,10 +86,10 @@ MARK_SCAN_ROUNDS = 4
 
 
 class EmbeddingRmsNormBackward:
-    def __init__(self, hidden: int, accumulate: bool):
+    def __init__(self, hidden: int, accumulate: bool, arch: str = "sm_90a"):
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
-        self.hidden, self.accumulate = hidden, accumulate
+        self.hidden, self.accumulate, self.arch = hidden, accumulate, arch
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         row_bytes = hidden * (2 + 4 + (2 if accumulate else 0))
         self.stages = ring_stages(row_bytes, RING_BYTES - 4 * MAX_STAGES * self.threads, MAX_STAGES)
@@ -139,7 +140,8 @@ class EmbeddingRmsNormBackward:
         # waits on griddepcontrol before reading anything but its inputs.
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
                     sorted_ids, order, table, partials, carries, status, ids, record, ctas, walker_rows, poison).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
+            **_occupancy(self.arch))
         # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch
         self.fixup(sorted_ids, table, carries, ctas, partials, grad_norm_weight, status, stream,
                    ids_ready=ids is None)
@@ -271,6 +273,10 @@ class EmbeddingRmsNormBackward:
                     self.fetch(fetches, m_go, m_x, m_rstd, m_table, ids_window, token_ahead, ahead - base,
                                rows_ring, rstd_ring, (ahead - lo) % ring, tidx)
                 cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per position
+        if cutlass.const_expr(self.arch == "sm_100a"):
+            # Thread-derived addresses afresh: kept from before the walk they stay live across it,
+            # past the 128 registers two CTAs an SM allow there.
+            tidx = thread_index_again()
         # The last segment goes on past this range: hand its sum on as a partial.
         if hi < tokens and hi > lo:
             if m_sorted[hi] == m_sorted[hi - 1]:
@@ -394,6 +400,15 @@ class EmbeddingRmsNormBackward:
                           self.vectors_per_thread, self.hidden // VECTOR)
 
 
+def _occupancy(arch: str) -> dict:
+    """The launch's occupancy request: at sm_100a ptxas otherwise takes up to 140 registers, so
+    two CTAs do not fit an SM; sm_90a's builds fit as compiled. (The carveout, shared memory's
+    share of the SM's L1, is given so the DSL does not ask a device for it.)"""
+    if arch == "sm_100a":
+        return {"min_blocks_per_mp": CTAS_PER_SM, "preferred_smem_carveout": 100}
+    return {}
+
+
 @cute.jit
 def _stage_window(m_sorted, m_order, base, ids_window, order_window, tidx):
     """Window position tidx = sorted position base + tidx: its id and token (past the last
@@ -514,7 +529,7 @@ def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir
     """`norm_weight_dtype` (BFloat16 or Float32): norm_weight's and grad_norm_weight's. Without
     `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's id dtype
     (see the call); with it (Int64 or Int32) the raw ids, sorted on chip."""
-    op = EmbeddingRmsNormBackward(hidden, accumulate)
+    op = EmbeddingRmsNormBackward(hidden, accumulate, arch)
     return runtime.compile_kernel(
         ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype)),
         op if ids_dtype is None else op.sort_on_chip, *_fake_args(hidden, norm_weight_dtype, ids_dtype),

@@ -157,3 +157,11 @@ def load_remote_vector(smem_ptr, rank, *, loc=None, ip=None):
                              "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
                              has_side_effects=True, loc=loc, ip=ip)
     return [Float32(llvm.extractvalue(T.f32(), values, [e], loc=loc, ip=ip)) for e in range(VECTOR)]
+
+
+@dsl_user_op
+def thread_index_again(*, loc=None, ip=None):
+    """threadIdx.x read anew (a side-effecting read the compiler cannot merge with an earlier
+    one): addresses computed from it after a long loop are not kept live across the loop."""
+    value = llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True, loc=loc, ip=ip)
+    return Int32(value)
