@@ -696,10 +696,11 @@ CHECK_IDS = ("deferred", "now")
 # 1024 tokens 26.4 / 26.1 / 23.5 / 32.7.
 TOKENS_PER_CTA = 8
 SMALL_CALL_TOKENS, SMALL_CALL_TOKENS_PER_CTA = 1024, 4
+# Where some CTAs only fill, a walking CTA takes this share of a filling CTA's rows (_split).
+WALKER_FILL_SHARE = 0.8
 # A fresh table is filled by FILL_WAVES x (resident CTAs): the block scheduler hands the later
 # CTAs' row shares to SMs as earlier CTAs finish, so no SM's slow share sets the call's end
 # (H200, fresh mean of the 16 workloads 207.3 us at one wave, 205.9 at four, 208.7 at two).
-WALKER_FILL_SHARE = 0.8
 FILL_WAVES = 4
 
 

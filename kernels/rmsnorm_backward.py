@@ -626,7 +626,6 @@ def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
               None, None)
 
 
-
 AUDIT_BUILDS = {
     f"fused_residual_rmsnorm_backward[H={h},{'normalized' if rn else 'normalized=None'}]":
         (lambda arch, dump_dir, h=h, rn=rn: _build(h, rn, arch, dump_dir))

@@ -162,11 +162,8 @@ def test_patched_step_replays_in_a_cuda_graph():
     masks = _gemma3_masks(32, model.config.sliding_window, "cuda", torch.bfloat16)
     captured = {}
 
-    def step():
-        model.zero_grad(set_to_none=True)  # the graph's backward makes the .grad tensors it fills
-        loss = model(input_ids=static_ids, labels=static_ids, attention_mask=masks, use_cache=False).loss
-        loss.backward()
-        captured.update(loss=loss, grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    def step():  # zeroed to None first: the graph's backward makes the .grad tensors it fills
+        captured["loss"], captured["grads"] = _step(model, static_ids, masks)
 
     graph = capture(step)
     ids = new_ids()
