@@ -83,6 +83,13 @@ FILL_ROWS = 4096
 # Marking a CTA's rows scans their sorted positions, in at most MARK_SCAN_ROUNDS loads a
 # thread; more positions (an id repeated over many tokens) take a search per row instead.
 MARK_SCAN_ROUNDS = 4
+# A fresh table's fill starts during the radix sort up to EARLY_FILL_MAX_TOKENS tokens. Above,
+# the walk sets the call's end, and the fill's traffic slows the sort before it (H200, us, before
+# -> after: 4096 tokens 182 -> 178, 8192 206 -> 204, 16K 255 -> 259, 32K 354 -> 369).
+EARLY_FILL_MAX_TOKENS = 12288
+# After the radix sort, a walking CTA's early fill checks every STOP_CHECK_ROWS rows whether the
+# sort has ended (a load from L2 a thread).
+STOP_CHECK_ROWS = 4
 
 
 class EmbeddingRmsNormBackward:
@@ -98,15 +105,18 @@ class EmbeddingRmsNormBackward:
     @cute.jit
     def __call__(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
                  norm_weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
-                 grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32, grid: Int32,
-                 walker_rows: Int32, poison: Int32, stream: cuda.CUstream):
+                 grad_norm_weight: cute.Tensor, workspace: cute.Tensor, marks: cute.Tensor, ranges: cute.Tensor,
+                 ctas: Int32, grid: Int32, walker_rows: Int32, poison: Int32, marked: Int32,
+                 stream: cuda.CUstream):
         """The ids sorted beforehand (int32 sorted ids and their int64 order; the index pass
         records bad ids). Of `grid` CTAs the first `ctas` walk the sorted positions and all fill
         a fresh table (see `kernel`). `poison` (fresh tables): 1 where the outputs are the
         call's own, which bad ids fill with NaN; 0 where they are the caller's, which bad ids
-        leave untouched."""
+        leave untouched. `marked` 1: the radix sort runs before this kernel with `mark` on, and
+        `marks` and `ranges` are its (id_radix), so the fill starts before the sort ends."""
         self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, None, table,
-                    grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream)
+                    grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream,
+                    (marks, ranges, marked))
 
     @cute.jit
     def sort_on_chip(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
@@ -125,7 +135,7 @@ class EmbeddingRmsNormBackward:
 
     @cute.jit
     def launch(self, grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, ids, record, table,
-               grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream):
+               grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, radix=None):
         """workspace rows: [0, ctas) grad_norm_weight partials (fp32 whatever its dtype); ctas + 2c
         and ctas + 2c + 1 the head and tail segment partials of range c; the last row's first
         element the id status (ColumnSum's `skip`: 0 in range, 1 bad ids, 2 bad ids with
@@ -137,24 +147,29 @@ class EmbeddingRmsNormBackward:
                                    cute.make_layout((2 * ctas, h), stride=(row_stride, 1)))
         status = cute.make_tensor(workspace.iterator + (workspace.shape[0] - 1) * row_stride, cute.make_layout(1))
         # A programmatic dependent of whatever ran before it (the radix sort's last pass): it
-        # waits on griddepcontrol before reading anything but its inputs.
+        # waits on griddepcontrol before reading anything but its inputs (and the radix
+        # sort's marks, which have counters of their own).
+        marks, ranges, marked = (None, None, Int32(0)) if radix is None or self.accumulate else radix
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
-                    sorted_ids, order, table, partials, carries, status, ids, record, ctas, walker_rows, poison).launch(
+                    sorted_ids, order, table, partials, carries, status, ids, record, marks, ranges, ctas,
+                    walker_rows, poison, marked).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
             **_occupancy(self.arch))
-        # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch
+        # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch;
+        # it zeroes the marks for the next call.
         self.fixup(sorted_ids, table, carries, ctas, partials, grad_norm_weight, status, stream,
-                   ids_ready=ids is None)
+                   ids_ready=ids is None, zeroed=marks)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
                m_sorted: cute.Tensor, m_order, m_table: cute.Tensor, m_part: cute.Tensor,
-               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, ctas: Int32, walker_rows: Int32,
-               poison: Int32):
+               m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, m_marks, m_ranges, ctas: Int32,
+               walker_rows: Int32, poison: Int32, marked: Int32):
         """CTAs [0, ctas) walk ranges of the sorted positions (at least one each); every CTA of
         the grid fills its share of a fresh table, so a short call still fills with the whole
         GPU. Each CTA fills after its walk, so CTAs with short walks fill while others still
-        walk (fill_plan)."""
+        walk (mark_rows); after the radix sort (`marked`) each CTA fills while the sort runs
+        too (fill_early), and the walking ones stop to walk once it has ended."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane, warp = tidx % 32, tidx // 32
@@ -166,6 +181,12 @@ class EmbeddingRmsNormBackward:
                                                                for _ in range(6))
         for t in (norm_weight, grad_norm_weight, g, xs, segment, old):
             t.fill(0.0)
+        touched, resume = None, None
+        if cutlass.const_expr(not self.accumulate):
+            # A bit per row of this CTA's share of a fresh table, set where an id touches it.
+            touched = smem.allocate_tensor(Uint32, cute.make_layout(FILL_ROWS // 32), byte_alignment=16)
+            if cutlass.const_expr(m_marks is not None):
+                resume = smem.allocate_tensor(Int32, cute.make_layout(threads + 1), byte_alignment=16)
         if cutlass.const_expr(m_ids is not None):
             # The index pass on chip: from here on the sorted ids and their order are shared
             # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up.
@@ -178,6 +199,10 @@ class EmbeddingRmsNormBackward:
                                                    threads, sort)
         else:
             read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)  # an input: before the wait
+            if cutlass.const_expr(m_marks is not None):
+                if marked == 1:
+                    self.fill_early(touched, resume, m_table, m_marks, m_ranges, cute.size(m_sorted), poison, bidx,
+                                    ctas, walker_rows, tidx)
             cute.arch.griddepcontrol_wait()  # the sorted ids and order are complete past this point
             in_range = ids_in_range(m_sorted, m_table.shape[0])
         tokens = cute.size(m_sorted)
@@ -291,18 +316,27 @@ class EmbeddingRmsNormBackward:
                 # Read again, not kept live across the walk: under sm_100a's 128-register cap
                 # ptxas would spill the two ends to local memory.
                 in_range = ids_in_range(m_sorted, m_table.shape[0])
-            first, rows, touched, value = self.fill_plan(smem, m_table, m_sorted, m_ids, in_range, poison, bidx,
-                                                         ctas, walker_rows, tidx)
-            self.fill(m_table, touched, first, rows, value, tidx)
+            first, rows, value = self.fill_share(m_table, in_range, poison, bidx, ctas, walker_rows)
+            marks = smem.allocate_tensor(Int8, cute.make_layout(FILL_ROWS), byte_alignment=16)
+            bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+            start = Int32(0)
+            if cutlass.const_expr(m_marks is not None):
+                if marked == 1:
+                    start = resume[tidx]  # fill_early's marks are still in `touched`
+                else:
+                    self.mark_rows(touched, marks, bounds, m_sorted, m_ids, in_range, first, rows, tidx)
+            else:
+                self.mark_rows(touched, marks, bounds, m_sorted, m_ids, in_range, first, rows, tidx)
+            self.fill(m_table, touched, first, rows, value, tidx, start)
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def fill_plan(self, smem, m_table, m_sorted, m_ids, in_range, poison, bidx, ctas, walker_rows, tidx):
-        """-> (first, rows, touched, value): this CTA's share of a fresh table, rows first +
-        [0, rows) (the walking CTAs cut rows [0, walker_rows) evenly, the others the rest), a
-        bit per row set where a sorted id touches it, and what the untouched rows get: zeros,
-        or NaN for bad ids in the call's own table (a caller's gets nothing: rows = 0)."""
+    def fill_share(self, m_table, in_range, poison, bidx, ctas, walker_rows):
+        """-> (first, rows, value): this CTA's share of a fresh table, rows first + [0, rows)
+        (the walking CTAs cut rows [0, walker_rows) evenly, the others the rest), and what its
+        untouched rows get: zeros, or NaN for bad ids in the call's own table (a caller's gets
+        nothing: rows = 0)."""
         grid, _, _ = cute.arch.grid_dim()
         first = range_start(bidx, walker_rows, ctas)
         rows = range_start(bidx + 1, walker_rows, ctas) - first
@@ -314,7 +348,12 @@ class EmbeddingRmsNormBackward:
             value = Float32(float("nan"))
             if poison == 0:
                 rows = Int32(0)
-        touched = smem.allocate_tensor(Uint32, cute.make_layout(FILL_ROWS // 32), byte_alignment=16)
+        return first, rows, value
+
+    @cute.jit
+    def mark_rows(self, touched, marks, bounds, m_sorted, m_ids, in_range, first, rows, tidx):
+        """touched: a bit per row of first + [0, rows), set where an id touches it (none with
+        bad ids)."""
         if cutlass.const_expr(m_ids is not None):
             # Ids sorted on chip (at most SORT_ON_CHIP_MAX_TOKENS): a bit per row set from the
             # raw ids by integer atomics (repeated ids set it again), so a filling CTA needs no
@@ -328,8 +367,6 @@ class EmbeddingRmsNormBackward:
                     if r >= 0 and r < rows:
                         cute.arch.atomic_or(touched.iterator + r // 32, Uint32(1) << Uint32(r % 32))
         else:
-            marks = smem.allocate_tensor(Int8, cute.make_layout(FILL_ROWS), byte_alignment=16)
-            bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
             self.mark_touched(marks, bounds, m_sorted, in_range, first, rows, tidx)
             # The marks as bits, a word per 32 rows: the row loop reads shared memory once a word.
             for w in cutlass.range(tidx, (rows + 31) // 32, self.threads):
@@ -339,25 +376,76 @@ class EmbeddingRmsNormBackward:
                         bits = bits | Uint32(1 << b)
                 touched[w] = bits
         cute.arch.barrier()
-        return first, rows, touched, value
 
     @cute.jit
-    def fill(self, m_table, touched, first, rows, value, tidx):
-        """Every thread: `value` into its vectors of the rows first + [0, rows) left untouched."""
-        # One bf16 vector of the value (not a row's worth of registers).
+    def fill_early(self, touched, resume, m_table, m_marks, m_ranges, tokens, poison, bidx, ctas, walker_rows,
+                   tidx):
+        """After the radix sort's counts pass (id_radix, `mark` on), before its other passes
+        end: this CTA's share of the untouched rows from the sort's marks and its verdict from
+        the chunks' ranges, then its fill, which a walking CTA's threads leave, each at its own
+        row (kept in `resume`), once the sort has ended (checked every STOP_CHECK_ROWS rows)."""
+        chunks = (tokens + id_radix.CHUNK - 1) // id_radix.CHUNK
+        if tidx == 0:
+            resume[self.threads] = Int32(0)  # the verdict: 1 where a chunk's range is bad
+            done = Int32(0)
+            while done < chunks:
+                done = cute.arch.load(m_marks.iterator + id_radix.COUNTS_DONE, Int32, sem="acquire", scope="gpu")
+        cute.arch.barrier()
+        for c in cutlass.range(tidx, chunks, self.threads):
+            smallest = _load_relaxed(m_ranges, 2 * c, Int64)
+            largest = _load_relaxed(m_ranges, 2 * c + 1, Int64)
+            if smallest < 0 or largest >= Int64(m_table.shape[0]):
+                resume[self.threads] = Int32(1)
+        cute.arch.barrier()
+        in_range = 1 - resume[self.threads]
+        first, rows, value = self.fill_share(m_table, in_range, poison, bidx, ctas, walker_rows)
+        shift = Uint32(first % 32)
+        for w in cutlass.range(tidx, (rows + 31) // 32, self.threads):
+            bits = Uint32(0)
+            if in_range == 1:  # bad ids: every row gets the value
+                word = first // 32 + w
+                bits = Uint32(_load_relaxed(m_marks, word)) >> shift
+                if shift > Uint32(0):
+                    bits = bits | (Uint32(_load_relaxed(m_marks, word + 1)) << (Uint32(32) - shift))
+            touched[w] = bits
+        cute.arch.barrier()
+        values, atom, threads, vectors = self.fill_vector(value), wide_copy(BFloat16), self.threads, self.hidden // VECTOR
+        r = Int32(0)
+        bits = touched[0]
+        go = Int32(0)
+        if rows > 0:
+            go = Int32(1)
+        while go == 1:
+            if r % 32 == 0:
+                bits = touched[r // 32]
+            if (bits >> Uint32(r % 32)) & Uint32(1) == Uint32(0):
+                _fill_row(atom, values, m_table[first + r, None], tidx, threads, vectors, self.vectors_per_thread)
+            r = r + 1
+            if r == rows:
+                go = Int32(0)
+            if bidx < ctas and r % STOP_CHECK_ROWS == 0:
+                if _load_relaxed(m_marks, id_radix.SORT_DONE) >= chunks:
+                    go = Int32(0)
+        resume[tidx] = r
+
+    def fill_vector(self, value):
+        """One bf16 vector of `value` (not a row's worth of registers)."""
         wide = cute.make_rmem_tensor((VECTOR,), Float32)
         wide.fill(value)
         values = cute.make_rmem_tensor((VECTOR,), BFloat16)
         values.store(wide.load().to(BFloat16))
-        atom, threads, vectors = wide_copy(BFloat16), self.threads, self.hidden // VECTOR
-        bits = touched[0]
-        for r in cutlass.range(rows):
+        return values
+
+    @cute.jit
+    def fill(self, m_table, touched, first, rows, value, tidx, start):
+        """Every thread: `value` into its vectors of the rows first + [start, rows) left untouched."""
+        values, atom, threads, vectors = self.fill_vector(value), wide_copy(BFloat16), self.threads, self.hidden // VECTOR
+        bits = touched[cutlass.min(start, FILL_ROWS - 1) // 32]
+        for r in cutlass.range(start, rows):
             if r % 32 == 0:
                 bits = touched[r // 32]
             if (bits >> Uint32(r % 32)) & Uint32(1) == Uint32(0):
-                for k in cutlass.range_constexpr(self.vectors_per_thread):
-                    if tidx + k * threads < vectors:
-                        cute.copy(atom, values, vector(m_table[first + r, None], tidx + k * threads))
+                _fill_row(atom, values, m_table[first + r, None], tidx, threads, vectors, self.vectors_per_thread)
 
     @cute.jit
     def mark_touched(self, marks, bounds, m_sorted, in_range, first, rows, tidx):
@@ -398,6 +486,22 @@ class EmbeddingRmsNormBackward:
             if _segment_ends(ids, j) == 1:
                 fetch_row(fetches, (m_table[Int32(ids[j]), None],), rows_ring[2:], slot, tidx, self.threads,
                           self.vectors_per_thread, self.hidden // VECTOR)
+
+
+@cute.jit
+def _fill_row(atom, values, row, tidx, threads: cutlass.Constexpr, vectors: cutlass.Constexpr,
+              vectors_per_thread: cutlass.Constexpr):
+    """This thread's vectors of a table row <- `values` (one bf16 vector)."""
+    for k in cutlass.range_constexpr(vectors_per_thread):
+        if tidx + k * threads < vectors:
+            cute.copy(atom, values, vector(row, tidx + k * threads))
+
+
+@cute.jit
+def _load_relaxed(m_words, i, dtype: cutlass.Constexpr = Int32):
+    """Element i of a contiguous tensor as the GPU holds it now (not a stale L1 line): written by
+    another grid that is still running."""
+    return cute.arch.load(m_words.iterator + i, dtype, sem="relaxed", scope="gpu")
 
 
 def _occupancy(arch: str) -> dict:
@@ -514,15 +618,19 @@ def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None):
     norm_weight, grad_norm_weight = (runtime.fake_tensor(norm_weight_dtype, (hidden,), (1,),
                                                          VECTOR * norm_weight_dtype.width // 8) for _ in range(2))
     sorted_ids = runtime.fake_tensor(Int32, (tokens if ids_dtype is None else cute.sym_int32(),), (1,), 4)
+    radix, marked = (), ()
     if ids_dtype is None:
         index = (sorted_ids, runtime.fake_tensor(Int64, (tokens,), (1,), 8))
+        radix = (runtime.fake_tensor(Int32, (id_radix.MARK_WORDS + 2,), (1,), 16),
+                 runtime.fake_tensor(Int64, (id_radix.MAX_CHUNKS, 2), (2, 1), 16))
+        marked = (Int32(0),)
     else:
         ids = runtime.fake_tensor(ids_dtype, (batch, seq), (cute.sym_int64(), 1), ids_dtype.width // 8)
         index = (ids, sorted_ids, runtime.fake_tensor(Int64, (errors.WORDS,), (1,), 8))
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, norm_weight,
-            *index, table, grad_norm_weight, workspace, Int32(1), Int32(1), Int32(1), Int32(0))
+            *index, table, grad_norm_weight, workspace, *radix, Int32(1), Int32(1), Int32(1), Int32(0), *marked)
 
 
 def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir=None, ids_dtype=None):
@@ -626,29 +734,33 @@ class _Entry:
         return runtime.ffi_function(id_radix.build(self.ids, self.arch))
 
     def sort(self, ids, vocab_size):
-        """(sorted ids int32, order int64) of ids above SORT_ON_CHIP_MAX_TOKENS, with the
-        verdict on the first sorted id (-1: an id outside [0, vocab_size)) and bad ids'
-        range in the error record; no host synchronization on any path."""
+        """(sorted ids int32, order int64, the radix sort's (marks, ranges, marked)) of ids above
+        SORT_ON_CHIP_MAX_TOKENS, with the verdict on the first sorted id (-1: an id outside [0,
+        vocab_size)) and bad ids' range in the error record; no host synchronization on any
+        path. `marked` is 1 where a fresh table's call went through the radix sort, whose marks
+        then let the row kernel fill while it runs."""
         import torch
 
         tokens = ids.numel()
+        index = self.index.get()
+        radix = (index.marks, index.ranges, 0)
         if tokens <= id_radix.MAX_TOKENS and vocab_size <= id_radix.MAX_VOCAB:
             # Our radix sort: three kernels in one call (id_radix).
-            index = self.index.get()
             sorted_ids, order = index.sorted_ids[:tokens], index.order[:tokens]
+            mark = int(not self.accumulate and tokens <= EARLY_FILL_MAX_TOKENS)
             self.run_radix_sort(ids, index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order,
-                                self.record, vocab_size)
-            return sorted_ids, order
+                                self.record, index.marks, vocab_size, mark)
+            return sorted_ids, order, (index.marks, index.ranges, mark)
         if vocab_size <= KEYS_MAX_VOCAB:
             # One pass for the ids' ranges and int16 keys (two radix passes of PyTorch's sort
             # instead of int32's four); WidenKeys widens them and rules on the ranges.
-            ranges = self.index.get().ranges[:RangeAndKeys.CTAS]
+            ranges = index.ranges[:RangeAndKeys.CTAS]
             keys = ids.new_empty(tokens, dtype=torch.int16)
             self.run_range_and_keys(ids, keys, ranges)
             sorted_keys, order = torch.sort(keys, stable=True)
             sorted_ids = ids.new_empty(tokens, dtype=torch.int32)
             self.run_widen_keys(sorted_keys, ranges, sorted_ids, self.record, vocab_size, WidenKeys.ctas(tokens))
-            return sorted_ids, order
+            return sorted_ids, order, radix
         # Larger vocabularies: PyTorch's operations throughout (a dozen launches, no waiting).
         smallest, largest = torch.aminmax(ids)
         bad = (smallest < 0) | (largest >= vocab_size)
@@ -659,7 +771,7 @@ class _Entry:
         self.record[1:].copy_(torch.where(first, found, self.record[1:]))
         # The code after the range, in a later kernel: the host never reads a code without it.
         self.record[:1].copy_(torch.where(first, errors.EMBEDDING, self.record[:1]))
-        return sorted_ids, order
+        return sorted_ids, order, radix
 
 
 class _Workspace(runtime.StreamWorkspace):
@@ -799,9 +911,13 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
                                    entry.record, table, grad_norm_weight, workspace, ctas, grid, walker_rows,
                                    poison)
         else:
-            sorted_ids, order = entry.sort(input_ids.reshape(tokens), vocab_size)
-            entry.run(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
-                      workspace, ctas, grid, walker_rows, poison)
+            sorted_ids, order, (marks, ranges, marked) = entry.sort(input_ids.reshape(tokens), vocab_size)
+            try:
+                entry.run(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
+                          workspace, marks, ranges, ctas, grid, walker_rows, poison, marked)
+            except Exception:
+                marks.zero_()  # the sort marked them and no fix-up will: clean for the next call
+                raise
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)

@@ -16,6 +16,11 @@ The ids are cut into chunks of CHUNK tokens, one CTA each, in every kernel:
    chunk's range leaves [0, vocab), so every later kernel refuses the call and writes nothing,
    and CTA 0 records the ids' range in the device's error record (errors.py).
 
+With `mark` (a fresh table's call) `counts` also sets a bit per id in `marks` (the rows the call
+touches) and each CTA of `counts` and of the high pass counts itself done there, so the row
+kernel's CTAs fill untouched rows while the sort runs and stop filling to walk once it has
+ended (embedding_backward.py). The fix-up zeroes `marks` for the next call.
+
 Ranking within a chunk: each warp takes 128 consecutive tokens in four rounds of 32 lanes;
 match.any finds the lanes of a round with the same digit, a per-warp count per digit in
 shared memory carries the rank across rounds, and an exclusive sum over the warps orders
@@ -43,6 +48,9 @@ NO_DIGIT = DIGITS  # a lane past the last token: matches no digit
 MAX_CHUNKS = 128  # each CTA reads every chunk's count of its digit
 MAX_TOKENS = CHUNK * MAX_CHUNKS
 MAX_VOCAB = 1 << (2 * DIGIT_BITS)
+# marks: a bit per id of the vocabulary, then the counts' and the high pass's done-CTA counters
+MARK_WORDS = MAX_VOCAB // 32
+COUNTS_DONE, SORT_DONE = MARK_WORDS, MARK_WORDS + 1
 
 
 def chunks(tokens: int) -> int:
@@ -176,23 +184,25 @@ class IdRadixSort:
     ranges [MAX_CHUNKS, 2] int64 (the verdict's) and the device's error record [4] int64 for
     bad ids. Workspace: counts [2 MAX_CHUNKS, DIGITS] int32 (low digits per input chunk, then
     high digits per low-pass output chunk), keys and tokens [MAX_TOKENS] int32 between the
-    passes."""
+    passes. `marks` [MARK_WORDS + 2] int32, zero on entry, written where `mark` is 1 (the module
+    docstring)."""
 
     @cute.jit
     def __call__(self, ids: cute.Tensor, counts: cute.Tensor, ranges: cute.Tensor, keys: cute.Tensor,
                  tokens: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, record: cute.Tensor,
-                 vocab: Int32, stream: cuda.CUstream):
+                 marks: cute.Tensor, vocab: Int32, mark: Int32, stream: cuda.CUstream):
         # The passes are programmatic dependents: launched while the kernel before runs, they
         # wait on griddepcontrol before reading what it wrote (one launch latency saved each).
         grid = [cute.ceil_div(cute.size(ids), CHUNK), 1, 1]
-        self.counts(ids, counts, ranges).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.counts(ids, counts, ranges, marks, mark).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
         self.low_pass(ids, counts, keys, tokens).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
                                                         use_pdl=True)
-        self.high_pass(keys, tokens, counts, ranges, sorted_ids, order, record, vocab).launch(
+        self.high_pass(keys, tokens, counts, ranges, sorted_ids, order, record, marks, vocab, mark).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def counts(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor):
+    def counts(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor, m_marks: cute.Tensor,
+               mark: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()  # the low pass may launch; it waits for this grid
@@ -209,11 +219,16 @@ class IdRadixSort:
                 smallest = cutlass.min(smallest, token_id)
                 largest = cutlass.max(largest, token_id)
                 cute.arch.atomic_add(histogram.iterator + (Int32(token_id) & (DIGITS - 1)), Int32(1))
+                if mark == 1:
+                    key = Int32(token_id) & (MAX_VOCAB - 1)  # in bounds before the range check
+                    cute.arch.atomic_or(m_marks.iterator + (key >> 5), Int32(1) << (key & 31))
         smallest, largest = block_range(smem, smallest, largest, tidx)  # its barriers order the histogram
         m_counts[chunk, tidx] = histogram[tidx]
         if tidx == 0:
             m_ranges[chunk, 0] = smallest
             m_ranges[chunk, 1] = largest
+        if mark == 1:
+            _count_done(m_marks, COUNTS_DONE, tidx)  # the marks and the range: the row kernel's fill may start
 
     @cute.kernel
     def low_pass(self, m_ids: cute.Tensor, m_counts: cute.Tensor, m_keys: cute.Tensor, m_tokens: cute.Tensor):
@@ -235,7 +250,8 @@ class IdRadixSort:
 
     @cute.kernel
     def high_pass(self, m_keys: cute.Tensor, m_tokens: cute.Tensor, m_counts: cute.Tensor, m_ranges: cute.Tensor,
-                  m_sorted: cute.Tensor, m_order: cute.Tensor, m_record: cute.Tensor, vocab: Int32):
+                  m_sorted: cute.Tensor, m_order: cute.Tensor, m_record: cute.Tensor, m_marks: cute.Tensor,
+                  vocab: Int32, mark: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         chunk, _, _ = cute.arch.block_idx()
         chunk_count, _, _ = cute.arch.grid_dim()
@@ -264,6 +280,17 @@ class IdRadixSort:
                     sorted_id = Int32(-1)
                 m_sorted[p] = sorted_id
                 m_order[p] = Int64(m_tokens[_token(chunk, tidx, r)])
+        if mark == 1:
+            _count_done(m_marks, SORT_DONE, tidx)  # the row kernel's walking CTAs stop filling
+
+
+@cute.jit
+def _count_done(m_marks: cute.Tensor, counter: cutlass.Constexpr, tidx):
+    """This CTA's writes are done: thread 0 adds one to m_marks[counter], after them (release)."""
+    cute.arch.barrier()
+    if tidx == 0:
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.atomic_add(m_marks.iterator + counter, Int32(1), sem="release", scope="gpu")
 
 
 def build(ids_dtype, arch: str, dump_dir=None):
@@ -276,7 +303,8 @@ def build(ids_dtype, arch: str, dump_dir=None):
         runtime.fake_tensor(Int64, (MAX_CHUNKS, 2), (2, 1), 16),
         runtime.fake_tensor(Int32, (MAX_TOKENS,), (1,), 16), runtime.fake_tensor(Int32, (MAX_TOKENS,), (1,), 16),
         runtime.fake_tensor(Int32, (tokens,), (1,), 4), runtime.fake_tensor(Int64, (tokens,), (1,), 8),
-        runtime.fake_tensor(Int64, (errors.WORDS,), (1,), 8), Int32(1), runtime.env_stream(), arch=arch,
+        runtime.fake_tensor(Int64, (errors.WORDS,), (1,), 8), runtime.fake_tensor(Int32, (MARK_WORDS + 2,), (1,), 16),
+        Int32(1), Int32(0), runtime.env_stream(), arch=arch,
         dump_dir=dump_dir, tvm_ffi=True)
 
 
@@ -289,6 +317,7 @@ class IndexBuffers:
     tokens: object  # [MAX_TOKENS] int32, between the passes
     sorted_ids: object  # [MAX_TOKENS] int32 (the row kernel reads a view)
     order: object  # [MAX_TOKENS] int64 (the row kernel reads a view)
+    marks: object  # [MARK_WORDS + 2] int32, zero between calls (IdRadixSort)
 
 
 class Workspace(runtime.PerStream):
@@ -302,7 +331,8 @@ class Workspace(runtime.PerStream):
 
         return IndexBuffers(counts=ints(2 * MAX_CHUNKS, DIGITS), ranges=ints(MAX_CHUNKS, 2, dtype=torch.int64),
                             keys=ints(MAX_TOKENS), tokens=ints(MAX_TOKENS), sorted_ids=ints(MAX_TOKENS),
-                            order=ints(MAX_TOKENS, dtype=torch.int64))
+                            order=ints(MAX_TOKENS, dtype=torch.int64),
+                            marks=torch.zeros(MARK_WORDS + 2, dtype=torch.int32, device=self.device))
 
 
 AUDIT_BUILDS = {"embedding_rmsnorm_backward ids radix sort": lambda arch, dump_dir: build(Int64, arch, dump_dir)}

@@ -62,16 +62,17 @@ class SegmentFixup:
     @cute.jit
     def __call__(self, sorted_ids: cute.Tensor, table: cute.Tensor, carries: cute.Tensor, ctas: Int32,
                  partials: cute.Tensor, grad_weight: cute.Tensor, skip: cute.Tensor, stream: cuda.CUstream,
-                 ids_ready: cutlass.Constexpr = True):
+                 ids_ready: cutlass.Constexpr = True, zeroed=None):
         """The fix-up of `ctas` ranges, and grad_weight = the column sums of `partials` (skip:
-        ColumnSum's)."""
-        self.kernel(sorted_ids, table, carries, ctas, partials, grad_weight, skip, ids_ready).launch(
+        ColumnSum's); `zeroed` (int32, optional) is zeroed once the kernel before has ended."""
+        self.kernel(sorted_ids, table, carries, ctas, partials, grad_weight, skip, zeroed, ids_ready).launch(
             grid=[ctas * self.column_blocks + self.column_sum.ctas, 1, 1], block=[32 * self.WARPS, 1, 1],
             stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor, ctas: Int32,
-               m_part: cute.Tensor, m_weight: cute.Tensor, m_skip: cute.Tensor, ids_ready: cutlass.Constexpr):
+               m_part: cute.Tensor, m_weight: cute.Tensor, m_skip: cute.Tensor, m_zeroed,
+               ids_ready: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         fixups = ctas * self.column_blocks
@@ -79,7 +80,12 @@ class SegmentFixup:
             self.fix(m_sorted, m_table, m_carry, ids_ready, bidx // self.column_blocks, bidx % self.column_blocks,
                      ctas, tidx)
         else:
-            self.column_sum.sum(m_part, m_weight, m_skip, bidx - fixups, tidx)
+            self.column_sum.sum(m_part, m_weight, m_skip, bidx - fixups, tidx)  # waits on griddepcontrol
+            if cutlass.const_expr(m_zeroed is not None):
+                grid, _, _ = cute.arch.grid_dim()
+                if bidx == grid - 1:
+                    for i in cutlass.range(tidx, cute.size(m_zeroed), 32 * self.WARPS):
+                        m_zeroed[i] = Int32(0)
 
     @cute.jit
     def fix(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor, ids_ready: cutlass.Constexpr,

@@ -313,15 +313,27 @@ def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab):
     index = id_radix.Workspace(torch.device("cuda", device)).get()
     ids = torch.randint(0, vocab, (tokens,), device="cuda", dtype=dtype)
     sorted_ids, order = index.sorted_ids[:tokens].fill_(-5), index.order[:tokens].fill_(-5)
-    args = (index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order, errors.record(device), vocab)
-    run(ids, *args)
+    args = (index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order, errors.record(device),
+            index.marks, vocab)
+    run(ids, *args, 0)
     want_ids, want_order = torch.sort(ids, stable=True)
     assert torch.equal(sorted_ids, want_ids.int()) and torch.equal(order, want_order)
+    assert not index.marks.any()  # marks only where asked
+    # With `mark`: a bit per id present, and each pass's CTAs counted done
+    sorted_ids.fill_(-5)
+    run(ids, *args, 1)
+    assert torch.equal(sorted_ids, want_ids.int())
+    bits = torch.zeros(id_radix.MAX_VOCAB, dtype=torch.bool, device="cuda")
+    bits[ids.long()] = True
+    words = (bits.view(-1, 32).long() << torch.arange(32, device="cuda")).sum(1)
+    assert torch.equal(index.marks[:id_radix.MARK_WORDS], (words - (words >= 2**31).long() * 2**32).int())
+    assert index.marks[id_radix.COUNTS_DONE:].tolist() == [id_radix.chunks(tokens)] * 2
+    index.marks.zero_()
     chunk_ranges = index.ranges[:id_radix.chunks(tokens)]
     assert int(chunk_ranges[:, 0].min()) == int(ids.min()) and int(chunk_ranges[:, 1].max()) == int(ids.max())
     cutebwd.check_errors()  # nothing recorded
     ids[tokens // 2] = vocab
-    run(ids, *args)
+    run(ids, *args, 0)
     assert int(sorted_ids[0]) == -1
     with pytest.raises(ValueError, match=rf"to {vocab}, outside \[0, {vocab}\)"):
         cutebwd.check_errors()
