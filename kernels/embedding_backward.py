@@ -93,10 +93,15 @@ STOP_CHECK_ROWS = 4
 
 
 class EmbeddingRmsNormBackward:
-    def __init__(self, hidden: int, accumulate: bool, arch: str = "sm_90a"):
+    """`early_fill` (a fresh table's ids sorted beforehand): the build that fills while the radix
+    sort runs (fill_early); a build of its own, since its code slowed the walk of the largest
+    calls, which it does not serve (EARLY_FILL_MAX_TOKENS)."""
+
+    def __init__(self, hidden: int, accumulate: bool, arch: str = "sm_90a", early_fill: bool = False):
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden, self.accumulate, self.arch = hidden, accumulate, arch
+        self.early_fill = early_fill and not accumulate
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         row_bytes = hidden * (2 + 4 + (2 if accumulate else 0))
         self.stages = ring_stages(row_bytes, RING_BYTES - 4 * MAX_STAGES * self.threads, MAX_STAGES)
@@ -149,7 +154,7 @@ class EmbeddingRmsNormBackward:
         # A programmatic dependent of whatever ran before it (the radix sort's last pass): it
         # waits on griddepcontrol before reading anything but its inputs (and the radix
         # sort's marks, which have counters of their own).
-        marks, ranges, marked = (None, None, Int32(0)) if radix is None or self.accumulate else radix
+        marks, ranges, marked = radix if radix is not None and self.early_fill else (None, None, Int32(0))
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
                     sorted_ids, order, table, partials, carries, status, ids, record, marks, ranges, ctas,
                     walker_rows, poison, marked).launch(
@@ -182,11 +187,10 @@ class EmbeddingRmsNormBackward:
         for t in (norm_weight, grad_norm_weight, g, xs, segment, old):
             t.fill(0.0)
         touched, resume = None, None
-        if cutlass.const_expr(not self.accumulate):
+        if cutlass.const_expr(m_marks is not None):
             # A bit per row of this CTA's share of a fresh table, set where an id touches it.
             touched = smem.allocate_tensor(Uint32, cute.make_layout(FILL_ROWS // 32), byte_alignment=16)
-            if cutlass.const_expr(m_marks is not None):
-                resume = smem.allocate_tensor(Int32, cute.make_layout(threads + 1), byte_alignment=16)
+            resume = smem.allocate_tensor(Int32, cute.make_layout(threads + 1), byte_alignment=16)
         if cutlass.const_expr(m_ids is not None):
             # The index pass on chip: from here on the sorted ids and their order are shared
             # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up.
@@ -317,17 +321,21 @@ class EmbeddingRmsNormBackward:
                 # ptxas would spill the two ends to local memory.
                 in_range = ids_in_range(m_sorted, m_table.shape[0])
             first, rows, value = self.fill_share(m_table, in_range, poison, bidx, ctas, walker_rows)
-            marks = smem.allocate_tensor(Int8, cute.make_layout(FILL_ROWS), byte_alignment=16)
-            bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
-            start = Int32(0)
             if cutlass.const_expr(m_marks is not None):
+                marks = smem.allocate_tensor(Int8, cute.make_layout(FILL_ROWS), byte_alignment=16)
+                bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+                start = Int32(0)
                 if marked == 1:
                     start = resume[tidx]  # fill_early's marks are still in `touched`
                 else:
                     self.mark_rows(touched, marks, bounds, m_sorted, m_ids, in_range, first, rows, tidx)
+                self.fill(m_table, touched, first, rows, value, tidx, start)
             else:
+                touched = smem.allocate_tensor(Uint32, cute.make_layout(FILL_ROWS // 32), byte_alignment=16)
+                marks = smem.allocate_tensor(Int8, cute.make_layout(FILL_ROWS), byte_alignment=16)
+                bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
                 self.mark_rows(touched, marks, bounds, m_sorted, m_ids, in_range, first, rows, tidx)
-            self.fill(m_table, touched, first, rows, value, tidx, start)
+                self.fill(m_table, touched, first, rows, value, tidx, 0)
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -440,7 +448,9 @@ class EmbeddingRmsNormBackward:
     def fill(self, m_table, touched, first, rows, value, tidx, start):
         """Every thread: `value` into its vectors of the rows first + [start, rows) left untouched."""
         values, atom, threads, vectors = self.fill_vector(value), wide_copy(BFloat16), self.threads, self.hidden // VECTOR
-        bits = touched[cutlass.min(start, FILL_ROWS - 1) // 32]
+        bits = touched[0]
+        if cutlass.const_expr(not isinstance(start, int)):
+            bits = touched[cutlass.min(start, FILL_ROWS - 1) // 32]
         for r in cutlass.range(start, rows):
             if r % 32 == 0:
                 bits = touched[r // 32]
@@ -633,13 +643,15 @@ def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None):
             *index, table, grad_norm_weight, workspace, *radix, Int32(1), Int32(1), Int32(1), Int32(0), *marked)
 
 
-def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir=None, ids_dtype=None):
+def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir=None, ids_dtype=None,
+           early_fill=False):
     """`norm_weight_dtype` (BFloat16 or Float32): norm_weight's and grad_norm_weight's. Without
     `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's id dtype
-    (see the call); with it (Int64 or Int32) the raw ids, sorted on chip."""
-    op = EmbeddingRmsNormBackward(hidden, accumulate, arch)
+    (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `early_fill`:
+    EmbeddingRmsNormBackward's."""
+    op = EmbeddingRmsNormBackward(hidden, accumulate, arch, early_fill)
     return runtime.compile_kernel(
-        ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype)),
+        ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype), early_fill),
         op if ids_dtype is None else op.sort_on_chip, *_fake_args(hidden, norm_weight_dtype, ids_dtype),
         runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
@@ -715,6 +727,11 @@ class _Entry:
     @functools.cached_property
     def run(self):
         return runtime.ffi_function(_build(self.hidden, self.accumulate, self.norm_weight, self.arch))
+
+    @functools.cached_property
+    def run_early_fill(self):
+        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.norm_weight, self.arch,
+                                           early_fill=True))
 
     @functools.cached_property
     def run_sort_on_chip(self):
@@ -913,7 +930,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
         else:
             sorted_ids, order, (marks, ranges, marked) = entry.sort(input_ids.reshape(tokens), vocab_size)
             try:
-                entry.run(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
+                (entry.run_early_fill if marked else entry.run)(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
                           workspace, marks, ranges, ctas, grid, walker_rows, poison, marked)
             except Exception:
                 marks.zero_()  # the sort marked them and no fix-up will: clean for the next call
@@ -935,6 +952,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
 _AUDITED = {  # name: (norm_weight dtype, accumulate, other build options)
     "norm_weight bf16,fresh,ids sorted on chip": (BFloat16, False, {"ids_dtype": Int64}),
     "norm_weight bf16,fresh": (BFloat16, False, {}),
+    "norm_weight bf16,fresh,fill during the radix sort": (BFloat16, False, {"early_fill": True}),
     "norm_weight bf16,accumulate": (BFloat16, True, {}),
     "norm_weight bf16,accumulate,ids sorted on chip": (BFloat16, True, {"ids_dtype": Int64}),
     "norm_weight fp32,fresh": (Float32, False, {}),

@@ -208,8 +208,8 @@ def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: in
     - M <= 128 (input gradients of a short batch, memory-bound on the weight): 128 x 128 from
       N >= 8192; else, for M > 64, 64 x 128 tiles in 2 x 1 clusters (both 64-row halves, one
       weight tile multicast to the pair: twice the CTAs pulling the weight), else 128 x 64;
-    - sm_90a, one wave of 256 x 160 tiles (at most a sixth of the SMs idle: 110 to 132 tiles on
-      the H200; dX T=8192 of 1536 x 640): those, with no ragged wave to cut up (sm_100a CTA
+    - sm_90a, one wave of 256 x 160 tiles (at most a sixth of the SMs idle: from five sixths of
+      the H200's SM count to all of it; dX T=8192 of 1536 x 640): those, with no ragged wave to cut up (sm_100a CTA
       tiles stop at 128 rows);
     - C of at most ~1M elements (the 1536 x 640 products): 64 x 128 tiles, many of them;
     - 128 x 160 tiles in 2 x 1 clusters where 160 divides N and M <= 1024 (fewer tiles: the
@@ -253,7 +253,7 @@ def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: in
     `side_tensors`: the epilogue moves per-row values or tables by plain loads (softmax_bwd,
     row_dot, rope_inverse); on Blackwell those take one accumulator row a thread, so 128-row
     tiles (gemm.sm100), 2 x 1 clusters (2-CTA MMAs) from M > 128.
-    `gpu`: the rules' arch and SM count (the tile-count limits were read off the H200's 132)."""
+    `gpu`: the rules' arch and SM count (the tile-count limits were read off the H200's SM count)."""
     arch, half_the_sms = gpu.arch, gpu.sms // 2
     if summed > 1 and batches * -(-m // 128) <= half_the_sms and n <= 256 and n % 32 == 0 and arch == "sm_90a":
         return GemmTiling(tile_m=64, tile_n=n, cluster_m=2, pingpong=True)
