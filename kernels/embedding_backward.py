@@ -27,7 +27,9 @@ check_ids="now", which synchronizes.
 Fresh tables are written whole by the row kernel, each row once: after its walk every CTA
 zeroes the rows of an even cut of [0, V) that no sorted id touches (marked in shared memory
 from the sorted ids), so no fill precedes the kernels and nothing depends on the verdict being
-known early.
+known early. After our radix sort (up to EARLY_FILL_MAX_TOKENS tokens) the CTAs fill while the
+sort's later passes run, from a map of the touched rows and the ids' ranges that its first pass
+leaves (fill_early), and the walking ones stop filling to walk once it has ended.
 
 Work split: the sorted positions are cut into `ctas` contiguous ranges, one per CTA. A CTA
 walks its range one token row at a time (rows through a cp.async ring where they fit, as in
@@ -83,9 +85,10 @@ FILL_ROWS = 4096
 # Marking a CTA's rows scans their sorted positions, in at most MARK_SCAN_ROUNDS loads a
 # thread; more positions (an id repeated over many tokens) take a search per row instead.
 MARK_SCAN_ROUNDS = 4
-# A fresh table's fill starts during the radix sort up to EARLY_FILL_MAX_TOKENS tokens. Above,
-# the walk sets the call's end, and the fill's traffic slows the sort before it (H200, us, before
-# -> after: 4096 tokens 182 -> 178, 8192 206 -> 204, 16K 255 -> 259, 32K 354 -> 369).
+# A fresh table's fill starts during the radix sort (the early_fill build) up to
+# EARLY_FILL_MAX_TOKENS tokens (H200, us, same run: 1688 tokens 161.0 -> 158.6, 4096 181.8 ->
+# 177.3, 8192 205.7 -> 203.0). Larger calls, whose walk sets their end, keep the plain build: the
+# early fill there was measured only in one build with the rest, whose code slowed their walk.
 EARLY_FILL_MAX_TOKENS = 12288
 # After the radix sort, a walking CTA's early fill checks every STOP_CHECK_ROWS rows whether the
 # sort has ended (a load from L2 a thread).
