@@ -12,6 +12,12 @@ What is swapped, by model family:
 - Qwen3 and Mistral: every RMSNorm layer (two a decoder layer, Qwen3's Q/K norms, the final
   norm) runs as modules.rms_norm, whose backward is the RMSNorm row kernel. Their attention has
   several kv heads, which the QKV kernel does not read, so it stays as it is.
+- Mistral and Llama with `decoder_layers=True`: each decoder layer runs whole as
+  decoder_module.decoder_layer (transformers' eager forward, the decoder layer backward: the
+  layer's norms, attention and FFN in one op); the final norm as above. The model must use
+  eager attention (the backward reads the attention probabilities), without dropout, biases or
+  an activation other than silu; calls without gradients or with a filled or static KV cache
+  run the layer's own forward.
 All need bf16 parameters.
 
 How: the attention's own forward still runs. Its q_proj computes the fused Q, K and V for the
@@ -24,6 +30,7 @@ transformers is imported here, never by `import cutebwd`.
 """
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -31,8 +38,10 @@ import torch
 from .modules import GemmaQKVNorm, rms_norm
 
 # RMSNorm classes by family, and whether they scale by 1 + w
-NORMS = {"Gemma3RMSNorm": True, "Qwen3RMSNorm": False, "MistralRMSNorm": False}
-FAMILIES = ("gemma3", "gemma3_text", "qwen3", "mistral")
+NORMS = {"Gemma3RMSNorm": True, "Qwen3RMSNorm": False, "MistralRMSNorm": False, "LlamaRMSNorm": False}
+FAMILIES = ("gemma3", "gemma3_text", "qwen3", "mistral", "llama")
+# Decoder layers the whole-layer backward reads (pre-norm GQA attention with RoPE, SwiGLU FFN)
+WHOLE_LAYERS = ("MistralDecoderLayer", "LlamaDecoderLayer")
 
 
 class Patch:
@@ -51,19 +60,29 @@ class Patch:
         self.replaced.clear()
 
 
-def patch(model: torch.nn.Module) -> Patch:
+def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     """Swap the layers of a transformers model that cutebwd has backward kernels for, in place.
-    Returns a Patch naming them (`undo()` restores). Raises ValueError, before changing anything,
-    for a model family or configuration the kernels do not cover."""
+    `decoder_layers`: Mistral's and Llama's decoder layers whole (module docstring). Returns a
+    Patch naming them (`undo()` restores). Raises ValueError, before changing anything, for a
+    model family or configuration the kernels do not cover."""
     config = getattr(model, "config", None)
     model_type = getattr(getattr(config, "text_config", config), "model_type", None)
     attentions = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Gemma3Attention"]
     all_norms = [(name, m) for name, m in model.named_modules() if type(m).__name__ in NORMS]
     if model_type not in FAMILIES or not (attentions or all_norms):
         raise ValueError(f"cutebwd.patch: {type(model).__name__} (model_type {model_type!r}) is not a model "
-                         f"cutebwd patches; patched families: Gemma3, Qwen3, Mistral")
+                         f"cutebwd patches; patched families: Gemma3, Qwen3, Mistral, Llama")
     # every check before any change
     result = Patch()
+    layers = [(name, m) for name, m in model.named_modules() if type(m).__name__ in WHOLE_LAYERS]
+    if decoder_layers:
+        if not layers:
+            raise ValueError(f"cutebwd.patch: decoder_layers=True reads Mistral and Llama decoder layers; "
+                             f"{type(model).__name__} has none")
+        for name, layer in layers:
+            _check_whole_layer(name, layer)
+        inside = {id(m) for _, layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
+        all_norms = [(name, m) for name, m in all_norms if id(m) not in inside]
     fused_layers = []
     for name, attention in attentions:
         fused = _gemma_qkv_norm(name, attention)
@@ -81,7 +100,79 @@ def patch(model: torch.nn.Module) -> Patch:
     for name, norm in norms:
         _route_norm(norm, NORMS[type(norm).__name__], result)
         result.replaced.append(name)
+    for name, layer in layers if decoder_layers else ():
+        _route_whole_layer(layer, result)
+        result.replaced.append(name)
     return result
+
+
+def _check_whole_layer(name: str, layer):
+    """Raises ValueError saying why the whole-layer backward does not read this layer."""
+    from .decoder_module import check_layer
+
+    config, attention = layer.self_attn.config, layer.self_attn
+    why = None
+    if int(transformers_version().split(".")[0]) < 5:
+        why = "needs transformers 5 or newer (its decoder layers return a tensor)"
+    elif config._attn_implementation != "eager":
+        why = (f"attention {config._attn_implementation!r}: the backward reads the attention probabilities, "
+               f"so the model must run eager attention (attn_implementation='eager')")
+    elif getattr(config, "attention_dropout", 0.0):
+        why = f"attention dropout {config.attention_dropout} (the backward has none)"
+    elif config.hidden_act not in ("silu", "swish"):
+        why = f"activation {config.hidden_act!r} (the backward's FFN is SwiGLU)"
+    elif any(getattr(m, "bias", None) is not None for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+        why = "a projection has a bias (the backward has none)"
+    elif {p.dtype for p in layer.parameters()} != {torch.bfloat16}:
+        why = f"the kernels take bf16 parameters, got {sorted(str(p.dtype) for p in set(layer.parameters()))}"
+    else:
+        why = check_layer(config.hidden_size, layer.mlp.gate_proj.weight.shape[0], attention.head_dim,
+                          config.num_attention_heads, config.num_key_value_heads)
+    if why:
+        raise ValueError(f"cutebwd.patch: {name}: {why}")
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _route_whole_layer(layer, result: Patch):
+    """The layer's forward, bound on the instance: decoder_module.decoder_layer where the call
+    trains (gradients on, no KV cache or an empty dynamic one), the layer's own forward otherwise."""
+    from .decoder_module import LayerWeights, decoder_layer
+
+    original = type(layer).forward
+    signature = inspect.signature(original)
+    attention, mlp = layer.self_attn, layer.mlp
+    config = attention.config
+    q_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    eps = layer.input_layernorm.variance_epsilon
+
+    def forward(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs).arguments
+        extra = call.get("kwargs", {})
+        cache = call.get("cache", call.get("past_key_values", extra.get("past_key_values")))
+        position_embeddings = call.get("position_embeddings")
+        # A training forward may carry an empty dynamic cache (transformers makes one unless
+        # use_cache=False): filled with this layer's keys and values as the attention would.
+        fresh_cache = cache is None or (type(cache).__name__ == "DynamicCache"
+                                        and cache.get_seq_length(attention.layer_idx) == 0)
+        if not fresh_cache or position_embeddings is None or not torch.is_grad_enabled():
+            return original(self, *args, **kwargs)
+        weights = LayerWeights(self.input_layernorm.weight, attention.q_proj.weight, attention.k_proj.weight,
+                               attention.v_proj.weight, attention.o_proj.weight, self.post_attention_layernorm.weight,
+                               mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        cos, sin = position_embeddings
+        output, key, value = decoder_layer(call["hidden_states"], weights, call.get("attention_mask"), cos, sin, eps,
+                                           q_heads, kv_heads)
+        if cache is not None:
+            cache.update(key, value, attention.layer_idx)
+        return output
+
+    layer.forward = types.MethodType(forward, layer)
+    result._restore.append(layer)
 
 
 def _check_norm(name: str, norm):

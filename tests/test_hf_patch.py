@@ -34,12 +34,12 @@ def _qwen3(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2):
     return _random_norms(transformers.Qwen3ForCausalLM, config)
 
 
-def _mistral(hidden=64, heads=4, kv_heads=2, layers=2):
-    config = transformers.MistralConfig(
+def _mistral(hidden=64, heads=4, kv_heads=2, layers=2, family="Mistral", attn_implementation="eager", **extra):
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
-        attn_implementation="eager")
-    return _random_norms(transformers.MistralForCausalLM, config)
+        attn_implementation=attn_implementation, **extra)
+    return _random_norms(getattr(transformers, f"{family}ForCausalLM"), config)
 
 
 def _random_norms(model_class, config, start=1.0):
@@ -111,6 +111,82 @@ def test_training_step_on_the_gpu(family, dims):
     _check_step(*FAMILIES[family], "cuda", 2, 64, **dims)
 
 
+def _check_whole_layers(device, batch, seq, **dims):
+    """patch(decoder_layers=True): every decoder layer runs whole through the decoder layer
+    backward; the loss is bitwise the unpatched model's (the forward is transformers' own,
+    op for op) and every gradient meets the contract's rule."""
+    exact_model = _mistral(**dims).to(device, torch.float64)
+    model = _mistral(**dims).to(device, torch.bfloat16)
+    patched = copy.deepcopy(model)
+    handle = cutebwd.patch(patched, decoder_layers=True)
+    layers = model.config.num_hidden_layers
+    assert handle.replaced == ["model.norm"] + [f"model.layers.{i}" for i in range(layers)]
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    _, exact = _step(exact_model, ids)
+    loss, want = _step(model, ids)
+    patched_loss, got = _step(patched, ids)
+    assert torch.equal(patched_loss, loss)
+    # the default call (transformers fills a KV cache) trains through the whole layers too, and
+    # the cache holds what the model's own layers put there
+    patched_out, out = patched(input_ids=ids), model(input_ids=ids)
+    assert _graph_nodes(patched_out.logits.grad_fn).count("_DecoderLayerFunctionBackward") == layers
+    assert torch.equal(patched_out.logits, out.logits)
+    caches = [getattr(o, "past_key_values", None) or o.cache for o in (patched_out, out)]
+    for patched_layer, layer in zip(*(c.layers for c in caches), strict=True):
+        assert torch.equal(patched_layer.keys, layer.keys) and torch.equal(patched_layer.values, layer.values)
+    names = sorted(want)
+    assert sorted(got) == names
+    assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, [exact[n] for n in names],
+                  f"whole decoder layers on {device} {dims}")
+    with torch.no_grad():  # inference calls run the layer's own forward
+        torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def _graph_nodes(node) -> list[str]:
+    """The names of the autograd graph's nodes reachable from `node`, each once."""
+    seen, names, stack = set(), [], [node]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+# head_dim a multiple of 32: the whole-layer backward's inverse RoPE tiles
+WHOLE_LAYER_DIMS = {"hidden": 128, "heads": 4, "kv_heads": 2}
+
+
+@pytest.mark.parametrize("dims", [{}, {"family": "Llama"}, {"sliding_window": 5}])
+def test_whole_decoder_layers_on_cpu(dims):
+    _check_whole_layers("cpu", 2, 11, **WHOLE_LAYER_DIMS, **dims)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [
+    {}, {"kv_heads": 4, "sliding_window": 24},
+    {"hidden": 1024, "heads": 8, "kv_heads": 2, "layers": 1},
+    {"hidden": 5120, "heads": 32, "kv_heads": 8, "head_dim": 128, "layers": 1},  # Mistral-Small-24B's, narrower FFN
+])
+def test_whole_decoder_layers_on_the_gpu(dims):
+    _check_whole_layers("cuda", 2, 64, **{**WHOLE_LAYER_DIMS, **dims})
+
+
+def test_whole_layers_refuse_what_the_backward_does_not_read():
+    cases = [(dict(attn_implementation="sdpa"), "eager attention"), (dict(attention_dropout=0.1), "dropout"),
+             (dict(hidden_act="gelu"), "activation"), (dict(hidden=64), "multiple of 32")]
+    for extra, why in cases:
+        dims = {**WHOLE_LAYER_DIMS, **extra}
+        model = _mistral(**dims).to(torch.bfloat16)
+        with pytest.raises(ValueError, match=why):
+            cutebwd.patch(model, decoder_layers=True)
+        assert all("forward" not in vars(m) for m in model.modules())
+    with pytest.raises(ValueError, match="Mistral and Llama decoder layers"):
+        cutebwd.patch(_qwen3().to(torch.bfloat16), decoder_layers=True)
+
+
 def _check_compiled_step(device, backend, **dims):
     """torch.compile of a patched model traces the fused layers whole (fullgraph: the backward
     is a custom operator on CUDA, the reference on CPU) and trains as the patched model does."""
@@ -148,18 +224,35 @@ def _gemma3_masks(seq, window, device, dtype):
     return {"full_attention": additive(causal), "sliding_attention": additive(causal & near)}
 
 
+def _mistral_mask(seq, window, device, dtype):
+    """Mistral's additive causal mask, [1, 1, s, s], causal within `window` (None: no window),
+    made before a capture as _gemma3_masks are."""
+    return _gemma3_masks(seq, window or seq, device, dtype)["sliding_attention"]
+
+
+# (model, patch's keyword, masks made before capture): Gemma3's fused attention; Mistral's
+# decoder layers whole
+GRAPH_MODELS = {
+    "gemma3": (lambda: _gemma3(hidden=640, heads=4, head_dim=256), {}, _gemma3_masks),
+    "mistral whole layers": (lambda: _mistral(**WHOLE_LAYER_DIMS, sliding_window=24), {"decoder_layers": True},
+                             _mistral_mask),
+}
+
+
 @pytest.mark.gpu
-def test_patched_step_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("name", sorted(GRAPH_MODELS))
+def test_patched_step_replays_in_a_cuda_graph(name):
     """A whole training step (forward, loss, backward) of a patched model captured once and
     replayed on new ids gives the eager step's loss and gradients for those ids."""
     from cutebwd.tools.timing import capture
 
-    model = _gemma3(hidden=640, heads=4, head_dim=256).to("cuda", torch.bfloat16)
-    cutebwd.patch(model)
+    make_model, keywords, make_masks = GRAPH_MODELS[name]
+    model = make_model().to("cuda", torch.bfloat16)
+    cutebwd.patch(model, **keywords)
     generator = torch.Generator().manual_seed(2)
     new_ids = lambda: torch.randint(0, model.config.vocab_size, (2, 32), generator=generator).to("cuda")
     static_ids = new_ids()
-    masks = _gemma3_masks(32, model.config.sliding_window, "cuda", torch.bfloat16)
+    masks = make_masks(32, model.config.sliding_window, "cuda", torch.bfloat16)
     captured = {}
 
     def step():  # zeroed to None first: the graph's backward makes the .grad tensors it fills
@@ -175,7 +268,7 @@ def test_patched_step_replays_in_a_cuda_graph():
     torch.testing.assert_close(captured["loss"], want_loss, rtol=1e-3, atol=1e-3)
     names = sorted(want)
     assert sorted(got) == names
-    assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, context="graph replay")
+    assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, context=f"{name} graph replay")
 
 
 def test_says_why_an_attention_is_not_fused():

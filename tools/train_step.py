@@ -5,11 +5,14 @@ a one-layer text model fed input embeddings (the layer, its rotary tables and th
 bf16 random weights at a real model's widths: ms a step, ms of its backward alone (CUDA
 events around each backward call), and tokens per second in the JSON.
 
-    python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--json FILE]
+    python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--decoder-layers]
+                                       [--json FILE]
 
 Models: the widths of Gemma-3-270m and Gemma-3-1B (fused Q/K/V with Q/K norms, and the other
-norms), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder (their norms). Needs a CUDA
-GPU and transformers (the `hf` extra).
+norms), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder (their norms).
+--decoder-layers: Mistral's layer whole (patch(model, decoder_layers=True)), which needs eager
+attention: every variant then runs eager attention, and the unpatched model with transformers'
+default (sdpa) attention is timed beside them. Needs a CUDA GPU and transformers (the `hf` extra).
 """
 from __future__ import annotations
 
@@ -30,13 +33,15 @@ MODELS = {
 }
 
 
-def one_layer(family: str, widths: dict):
-    """A one-layer text model of `family` at `widths`, bf16 on the GPU, transformers' default
-    attention, norm weights drawn around their family's start (trained ones have moved off it)."""
+def one_layer(family: str, widths: dict, attention: str = "sdpa"):
+    """A one-layer text model of `family` at `widths`, bf16 on the GPU, with `attention`
+    (transformers' default: sdpa), norm weights drawn around their family's start (trained ones
+    have moved off it)."""
     import torch
     import transformers
 
-    config = getattr(transformers, f"{family}Config")(num_hidden_layers=1, vocab_size=256, **widths)
+    config = getattr(transformers, f"{family}Config")(num_hidden_layers=1, vocab_size=256,
+                                                      attn_implementation=attention, **widths)
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}Model")(config).to("cuda", torch.bfloat16)
     with torch.no_grad():
@@ -82,6 +87,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: all")
     parser.add_argument("--seq", action="append", type=int, help="sequence lengths (default: 512, 2048)")
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--decoder-layers", action="store_true",
+                        help="Mistral's decoder layer whole, eager attention (module docstring)")
     parser.add_argument("--json", help="where to write the rows")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     sys.argv = sys.argv[:1]  # the DSL reads the command line when it is imported: show it none of ours
@@ -94,16 +101,24 @@ def main(argv=None) -> int:
     if not have_gpu("train_step"):
         return 0
     rows = []
-    for name in args.model or sorted(MODELS):
-        eager = one_layer(*MODELS[name])
+    names = args.model or sorted(MODELS)
+    if args.decoder_layers:
+        names = [name for name in names if MODELS[name][0] == "Mistral"]
+        if not names:
+            parser.error("--decoder-layers patches Mistral's layers: name a Mistral model")
+    for name in names:
+        family, widths = MODELS[name]
+        eager = one_layer(family, widths, "eager" if args.decoder_layers else "sdpa")
         compiled = torch.compile(copy.deepcopy(eager))
         patched = copy.deepcopy(eager)
-        cutebwd.patch(patched)
+        cutebwd.patch(patched, decoder_layers=args.decoder_layers)
         patched_compiled = copy.deepcopy(eager)
-        cutebwd.patch(patched_compiled)
+        cutebwd.patch(patched_compiled, decoder_layers=args.decoder_layers)
         patched_compiled = torch.compile(patched_compiled)
         variants = (("eager", eager), ("torch.compile", compiled), ("cutebwd.patch", patched),
                     ("cutebwd.patch + torch.compile", patched_compiled))
+        if args.decoder_layers:
+            variants = (("eager, sdpa attention", one_layer(family, widths)),) + variants
         for seq in args.seq or [512, 2048]:
             tokens = args.batch * seq
             row = {"model": name, "batch": args.batch, "seq": seq}
