@@ -237,19 +237,14 @@ def default_tiling(m: int, n: int, k: int, gpu: Gpu, fused: int = 0, group_n: in
     74.5 against 47.2 / 58.2).
     `batches` > 1 (a batched product, the decoder layer's attention: hundreds of [s, d] products
     per call, so the batch fills the SMs, not the tile size) and N at most 256: one tile spans N,
-    128 rows, cooperative, 2 x 1 clusters from M > 128. P . v and P^T . g_ao at 449 x 16 (N = d =
-    160): 0.136 / 0.132 ms against 0.272 / 0.271 for the single-product rule's 64 x 128 tiles
-    (256 x 32: 0.102 / 0.115 against 0.149 / 0.155). A batch of `group_n` products (the decoder
-    layer's per-head dq, inverse RoPE) with K <= SHORT_ROPE_K on sm_90a: 64-row pingpong tiles in
-    2 x 1 clusters, one warpgroup's table loads and rotation under the other's MMAs; for a batch
-    sum (gemm.batched's group_sum) K is the sum's (H200, us, default / 64-row pingpong: dq
-    449 x 16 144.7 / 134.3, 373 x 8 54.9 / 47.0, 1024 x 2 62.4 / 57.8, 256 x 32 108.9 / 94.1,
-    211 x 2 8.3 / 8.5; dk summed over four heads, K = 4 s, 449 x 16 104.6 / 132.2, 1024 x 2
-    46.6 / 70.1, 256 x 32 72.7 / 73.9, 211 x 2 13.3 / 11.1). A batch of sums (`summed` > 1
-    products each) whose 128-row tiles would fill at most half the SMs: 64-row pingpong tiles,
-    twice the CTAs on the long summed K (H200, us, dv / dk at 613 x 1, 40 tiles: 25.7 / 27.2 ->
-    20.3 / 21.6; 512 x 2, 64 tiles: 18.5 / 20.3 -> 17.0 / 18.5; at 691 x 2, 96 tiles, 128 rows
-    stay ahead: 28.0 / 29.6 against 40.9 / 42.1).
+    128 rows, cooperative, 2 x 1 clusters from M > 128 (half the time of the single-product
+    rule's 64 x 128 tiles on P . v and dv). A batch of `group_n` products (the decoder layer's
+    per-head dq, inverse RoPE) with K <= SHORT_ROPE_K on sm_90a: 64-row pingpong tiles in 2 x 1
+    clusters, one warpgroup's table loads and rotation under the other's MMAs; for a batch sum
+    (gemm.batched's group_sum) K is the sum's, so dk summed over a kv head's query heads keeps
+    the default. A batch of sums (`summed` > 1 products each) whose 128-row tiles would fill at
+    most half the SMs: 64-row pingpong tiles, twice the CTAs on the long summed K. Measured in
+    docs/design-decoder-layer.md.
     `side_tensors`: the epilogue moves per-row values or tables by plain loads (softmax_bwd,
     row_dot, rope_inverse); on Blackwell those take one accumulator row a thread, so 128-row
     tiles (gemm.sm100), 2 x 1 clusters (2-CTA MMAs) from M > 128.

@@ -3,8 +3,9 @@ rules and schedules count with, and the per-CTA limits its builds must fit (shar
 may opt into, CTAs in a portable cluster).
 
 At run time they come from the device (kernels.runtime.device_gpu), checked against the arch's
-table below, which the builds are compiled for; compiling without one (the audit, CPU tests)
-they come from the GPUs below, so what is checked there is what the GPU's first call builds.
+table below, which the builds are compiled for. Compiling without a device (the audit, CPU
+tests) they come from named GPUs (tools/gpus.py), so what is checked there is what that GPU's
+first call builds.
 """
 from __future__ import annotations
 
@@ -31,8 +32,3 @@ class Gpu:
     @property
     def max_cluster_ctas(self) -> int:
         return MAX_CLUSTER_CTAS[self.arch]
-
-
-H200 = Gpu("H200", "sm_90a", 132)
-B200 = Gpu("B200", "sm_100a", 148)
-GPUS = {gpu.name: gpu for gpu in (H200, B200)}

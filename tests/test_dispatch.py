@@ -17,7 +17,8 @@ from cutebwd.kernels.calls import CallCache
 from cutebwd.kernels.gemm import batched as gemm_batched, dispatch as gemm, grouped as gemm_grouped
 from cutebwd.kernels.gemm import GemmCall
 from cutebwd.layouts.gemm import default_tiling
-from cutebwd.layouts.gpus import B200, GPUS, H200, Gpu
+from cutebwd.layouts.gpus import Gpu
+from cutebwd.tools.gpus import B200, GPUS, H200
 from cutebwd.references import decoder_layer
 from cutebwd.references.inputs import model_dims
 from cutebwd.references.workloads import WORKLOADS
@@ -116,6 +117,17 @@ def test_h200_picks_what_it_picked_before(dry_run):
     now = [_tiling(default_tiling(m, n, k, H200, **options)) for m in grid["m"] for n in grid["n"] for k in grid["k"]
            for options in grid["options"]]
     assert now == before
+
+
+def test_the_qkv_audit_builds_are_what_the_named_gpus_pick():
+    """The QKV backward's audited tilings, written out for compiling without a device, are what
+    pairing picks on the GPU each arch is audited for."""
+    from cutebwd.tools.gpus import AUDIT_GPU
+
+    for tokens, picks in qkv_qknorm_backward.AUDIT_PICKS.items():
+        for arch, (summed, grouped, paired) in picks.items():
+            now = qkv_qknorm_backward.pairing(tokens, 640, qkv_qknorm_backward.AUDIT_WIDTHS, AUDIT_GPU[arch])
+            assert (now[0].spec, now[1].spec, now[2] is not None) == (summed, grouped, paired), (tokens, arch)
 
 
 @pytest.mark.parametrize("gpu", [H200, B200], ids=lambda gpu: gpu.name)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cutebwd.layouts.gemm import GemmTiling, default_tiling, even_clusters, tile_coord
-from cutebwd.layouts.gpus import B200, H200
+from cutebwd.tools.gpus import B200, H200
 from cutebwd.tools.parity import relative_error
 
 

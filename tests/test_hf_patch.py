@@ -92,7 +92,7 @@ def _check_step(make_model, norms_a_layer, family_dims, device, batch, seq, **di
 # (model, RMSNorm layers a decoder layer that patch routes through modules.rms_norm, dims): Q/K
 # norms among them where the attention is not fused (Qwen3's; Gemma3's with several kv heads)
 FAMILIES = {"gemma3": (_gemma3, 4, {}), "gemma3 2 kv heads": (_gemma3, 6, {"kv_heads": 2}),
-            "qwen3": (_qwen3, 4, {}), "mistral": (_mistral, 2, {})}
+            "qwen3": (_qwen3, 4, {}), "mistral": (_mistral, 2, {}), "llama": (_mistral, 2, {"family": "Llama"})}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

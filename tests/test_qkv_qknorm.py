@@ -186,7 +186,7 @@ def test_weight_gradients_pair_with_the_summed_product_only_where_alike(tokens, 
     """One launch (Sm90Gemm._launch_pair) needs idle CTAs for two waves of the weight gradients
     and both products' CTAs alike (one CTA a cluster, the same consumer warpgroups)."""
     from cutebwd.kernels.qkv_qknorm_backward import pairing
-    from cutebwd.layouts.gpus import B200, H200
+    from cutebwd.tools.gpus import B200, H200
 
     d, heads, hidden = dims
     gpu = {"sm_90a": H200, "sm_100a": B200}[arch]

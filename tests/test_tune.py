@@ -8,7 +8,7 @@ from cutebwd.kernels.gemm import GemmCall
 from cutebwd.kernels.runtime import ARCHES
 from cutebwd.layouts import gemm as layouts
 from cutebwd.layouts.gemm import GemmTiling, default_tiling, shape_bucket, tuned_table, tuned_tiling
-from cutebwd.layouts.gpus import H200
+from cutebwd.tools.gpus import H200
 from cutebwd.tools import tune
 from cutebwd.tools.parity import relative_error
 

@@ -467,7 +467,7 @@ def run_dispatch_audit(gpu_names=None, only: str | None = None, keep_dir: str | 
 def _audit_dispatch_builds(work, keep_dir=None, progress=None) -> list[dict]:
     """The audit of builds (GPU name, index among its distinct builds); a worker of
     run_dispatch_audit reports its progress on stderr."""
-    from cutebwd.layouts.gpus import GPUS
+    from cutebwd.tools.gpus import GPUS
     from cutebwd.tools import dispatch
 
     progress = progress or (lambda message: print(message, file=sys.stderr, flush=True))
@@ -509,7 +509,7 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", help="keep PTX and CUBIN files under this folder")
     parser.add_argument("--table", action="store_true", help="also print the per-build table")
     parser.add_argument("--dispatch", action="store_true", help="audit what dispatch builds (tools/dispatch.py)")
-    parser.add_argument("--gpu", action="append", help="with --dispatch: a GPU of layouts.gpus.GPUS (default: all)")
+    parser.add_argument("--gpu", action="append", help="with --dispatch: a GPU of tools/gpus.py (default: all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="with --dispatch: processes compiling")
     args = parser.parse_args(argv)
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

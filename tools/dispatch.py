@@ -20,7 +20,8 @@ from cutlass import BFloat16, Float32, Int64
 
 from ..kernels import (decoder_layer_backward, embedding_backward, gemm, id_radix, padded_rows,
                        qkv_qknorm_backward, rmsnorm_backward, row_rstd)
-from ..layouts.gpus import GPUS, Gpu
+from ..layouts.gpus import Gpu
+from .gpus import GPUS
 from ..references import decoder_layer, embedding_rmsnorm, fused_residual_rmsnorm, qkv_qknorm
 from ..references.inputs import model_dims
 from ..references.workloads import WORKLOADS
