@@ -17,8 +17,13 @@ import, and `cutebwd.references` needs none of it):
     cutebwd.GemmaQKVNorm(q_proj, k_proj, v_proj, q_norm, k_norm, q_heads, kv_heads)
                                                   autograd module over Gemma3 attention's layers,
                                                   051's kernel as its backward
-    cutebwd.patch(model)                          a transformers model's layers onto these backwards,
-                                                  in place (kernels/hf_patch.py: Gemma3, Qwen3, Mistral)
+    cutebwd.decoder_layer(hidden_states, weights, attention_mask, cos, sin, eps, q_heads, kv_heads)
+                                                  a Llama / Mistral decoder layer as one autograd
+                                                  function (transformers' eager forward), the decoder
+                                                  layer backward as its backward; weights a LayerWeights
+    cutebwd.patch(model, decoder_layers=False)    a transformers model's layers onto these backwards,
+                                                  in place (kernels/hf_patch.py: Gemma3, Qwen3, Mistral,
+                                                  Llama)
     cutebwd.check_errors(device=None)             synchronizes and raises an error the device recorded
                                                   (out-of-range ids of a deferred check)
 
@@ -45,6 +50,8 @@ _OPS = {
     "decoder_layer_backward": "cutebwd.kernels.decoder_layer_backward",
     "ResidualRMSNorm": "cutebwd.kernels.torch_ops",
     "GemmaQKVNorm": "cutebwd.kernels.modules",
+    "decoder_layer": "cutebwd.kernels.decoder_module",
+    "LayerWeights": "cutebwd.kernels.decoder_module",
     "patch": "cutebwd.kernels.hf_patch",
     "check_errors": "cutebwd.kernels.errors",
 }

@@ -121,10 +121,43 @@ def decoder_layer(hidden_states: torch.Tensor, weights: LayerWeights, attention_
     (bf16) as transformers' eager Llama / Mistral layer computes it, and the rotated keys and the
     values [b, kv_heads, s, d] for a KV cache (not differentiable). `attention_mask` additive,
     broadcast to [b, heads, s, s] (or None); cos and sin [b or 1, s, head_dim], the model's
-    rotary tables. The backward is
-    decoder_layer_backward, which reads head_dim a multiple of 32 and widths a multiple of 8
-    (check_layer says so before a model is patched)."""
+    rotary tables. The backward is decoder_layer_backward, which reads head_dim a multiple of 32
+    and widths a multiple of 8; other dtypes, shapes and widths raise TypeError / ValueError
+    naming the argument."""
+    weights = LayerWeights(*weights)
+    _check_arguments(hidden_states, weights, cos, sin, q_heads, kv_heads)
     return _DecoderLayerFunction.apply(hidden_states, attention_mask, cos, sin, eps, q_heads, kv_heads, *weights)
+
+
+def _check_arguments(hidden_states, weights: LayerWeights, cos, sin, q_heads: int, kv_heads: int):
+    """TypeError / ValueError naming the argument, before the forward runs (a layer's forward
+    takes milliseconds; these checks take microseconds)."""
+    tensors = {"hidden_states": hidden_states, "cos": cos, "sin": sin,
+               **{f"weights.{name}": t for name, t in weights._asdict().items()}}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"decoder_layer: {name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"decoder_layer: {name}: expected bfloat16, got {str(t.dtype).removeprefix('torch.')}")
+        if t.device != hidden_states.device:
+            raise ValueError(f"decoder_layer: {name} is on {t.device}, hidden_states on {hidden_states.device}")
+    if hidden_states.dim() != 3:
+        raise ValueError(f"decoder_layer: hidden_states: expected [b, s, H], got {tuple(hidden_states.shape)}")
+    batch, seq, hidden = hidden_states.shape
+    head_dim = cos.shape[-1]
+    if cos.dim() != 3 or cos.shape != sin.shape or cos.shape[0] not in (1, batch) or cos.shape[1] != seq:
+        raise ValueError(f"decoder_layer: cos and sin: expected [1 or {batch}, {seq}, head_dim], got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    intermediate = weights.gate.shape[0] if weights.gate.dim() == 2 else -1
+    why = check_layer(hidden, intermediate, head_dim, q_heads, kv_heads)
+    if why:
+        raise ValueError(f"decoder_layer: {why}")
+    q_width, kv_width = q_heads * head_dim, kv_heads * head_dim
+    want = LayerWeights((hidden,), (q_width, hidden), (kv_width, hidden), (kv_width, hidden), (hidden, q_width),
+                        (hidden,), (intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+    for name, t, shape in zip(LayerWeights._fields, weights, want):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"decoder_layer: weights.{name}: expected {list(shape)}, got {list(t.shape)}")
 
 
 def check_layer(hidden: int, intermediate: int, head_dim: int, q_heads: int, kv_heads: int) -> str | None:

@@ -174,6 +174,35 @@ def test_whole_decoder_layers_on_the_gpu(dims):
     _check_whole_layers("cuda", 2, 64, **{**WHOLE_LAYER_DIMS, **dims})
 
 
+def test_decoder_layer_called_directly():
+    """cutebwd.decoder_layer on a model layer's own parameters gives the layer's output bitwise,
+    and bad arguments raise errors that name them."""
+    model = _mistral(**WHOLE_LAYER_DIMS, layers=1).to(torch.bfloat16)
+    layer, config = model.model.layers[0], model.config
+    attention, mlp = layer.self_attn, layer.mlp
+    weights = cutebwd.LayerWeights(layer.input_layernorm.weight, attention.q_proj.weight, attention.k_proj.weight,
+                                   attention.v_proj.weight, attention.o_proj.weight,
+                                   layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                                   mlp.down_proj.weight)
+    hidden_states = torch.randn(2, 9, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    position_embeddings = model.model.rotary_emb(hidden_states, torch.arange(9)[None])
+    mask = _mistral_mask(9, None, "cpu", torch.bfloat16)
+    eps, heads = layer.input_layernorm.variance_epsilon, (config.num_attention_heads, config.num_key_value_heads)
+    out, _, _ = cutebwd.decoder_layer(hidden_states, weights, mask, *position_embeddings, eps, *heads)
+    want = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings)
+    assert torch.equal(out, want)
+    out.sum().backward()
+    assert hidden_states.grad is not None and weights.q.grad is not None
+    cos, sin = position_embeddings
+    bad = [((hidden_states.float(), weights, cos, sin), TypeError, "hidden_states: expected bfloat16"),
+           ((hidden_states, weights._replace(k=weights.q), cos, sin), ValueError, "weights.k: expected"),
+           ((hidden_states, weights, cos[..., :16], sin[..., :16]), ValueError, "multiple of 32"),
+           ((hidden_states, weights, cos[:, :4], sin[:, :4]), ValueError, "cos and sin")]
+    for (x, w, c, s), error, message in bad:
+        with pytest.raises(error, match=message):
+            cutebwd.decoder_layer(x, w, None, c, s, 1e-6, *heads)
+
+
 def test_whole_layers_refuse_what_the_backward_does_not_read():
     cases = [(dict(attn_implementation="sdpa"), "eager attention"), (dict(attention_dropout=0.1), "dropout"),
              (dict(hidden_act="gelu"), "activation"), (dict(hidden=64), "multiple of 32")]
