@@ -216,11 +216,11 @@ def test_whole_layers_refuse_what_the_backward_does_not_read():
         cutebwd.patch(_qwen3().to(torch.bfloat16), decoder_layers=True)
 
 
-def _check_compiled_step(device, backend, **dims):
+def _check_compiled_step(device, backend, make_model=_gemma3, patch_options=None, **dims):
     """torch.compile of a patched model traces the fused layers whole (fullgraph: the backward
     is a custom operator on CUDA, the reference on CPU) and trains as the patched model does."""
-    model = _gemma3(**dims).to(device, torch.bfloat16)
-    cutebwd.patch(model)
+    model = make_model(**dims).to(device, torch.bfloat16)
+    cutebwd.patch(model, **(patch_options or {}))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
     loss, want = _step(model, ids)
@@ -234,6 +234,10 @@ def _check_compiled_step(device, backend, **dims):
 
 def test_patched_model_compiles_whole_on_cpu():
     _check_compiled_step("cpu", "aot_eager")
+
+
+def test_patched_whole_layers_compile_whole_on_cpu():
+    _check_compiled_step("cpu", "aot_eager", _mistral, {"decoder_layers": True}, **WHOLE_LAYER_DIMS)
 
 
 @pytest.mark.gpu
