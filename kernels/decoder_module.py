@@ -98,8 +98,8 @@ class _DecoderLayerFunction(torch.autograd.Function):
          residual2, ffn_input, gate, up, silu_gate, swiglu_output, variance1, variance2, normalized1,
          normalized2, *weights) = ctx.saved_tensors
         w = LayerWeights(*weights)
-        # The contract's pre-RoPE q/k/v are not read by its math; key_rotated stands in for them
-        # (key_states_rotated is not read either). Gate and up exchanged: the module docstring.
+        # The contract's pre-RoPE q/k/v and its un-repeated rotated k are not read by its math:
+        # the rotated query and keys stand in for them. Gate and up exchanged: the module docstring.
         args = (grad_output.contiguous(), residual, attn_input, query_rotated, key_rotated, key_rotated,
                 query_rotated, key_rotated, key_repeated, value_repeated, cos, sin, probs, attn_output, residual2,
                 ffn_input, up, gate, silu_gate, swiglu_output, w.input_ln, w.q, w.k, w.v, w.o, w.post_attn_ln,
@@ -148,7 +148,10 @@ def _check_arguments(hidden_states, weights: LayerWeights, cos, sin, q_heads: in
     if cos.dim() != 3 or cos.shape != sin.shape or cos.shape[0] not in (1, batch) or cos.shape[1] != seq:
         raise ValueError(f"decoder_layer: cos and sin: expected [1 or {batch}, {seq}, head_dim], got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    intermediate = weights.gate.shape[0] if weights.gate.dim() == 2 else -1
+    if weights.gate.dim() != 2:
+        raise ValueError(f"decoder_layer: weights.gate: expected [intermediate, {hidden}], got "
+                         f"{list(weights.gate.shape)}")
+    intermediate = weights.gate.shape[0]
     why = check_layer(hidden, intermediate, head_dim, q_heads, kv_heads)
     if why:
         raise ValueError(f"decoder_layer: {why}")

@@ -108,11 +108,12 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
 
 def _check_whole_layer(name: str, layer):
     """Raises ValueError saying why the whole-layer backward does not read this layer."""
+    import transformers
+
     from .decoder_module import check_layer
 
     config, attention = layer.self_attn.config, layer.self_attn
-    why = None
-    if int(transformers_version().split(".")[0]) < 5:
+    if int(transformers.__version__.split(".")[0]) < 5:
         why = "needs transformers 5 or newer (its decoder layers return a tensor)"
     elif config._attn_implementation != "eager":
         why = (f"attention {config._attn_implementation!r}: the backward reads the attention probabilities, "
@@ -130,12 +131,6 @@ def _check_whole_layer(name: str, layer):
                           config.num_attention_heads, config.num_key_value_heads)
     if why:
         raise ValueError(f"cutebwd.patch: {name}: {why}")
-
-
-def transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def _route_whole_layer(layer, result: Patch):
