@@ -190,10 +190,10 @@ class EmbeddingRmsNormBackward:
         if cutlass.const_expr(m_ids is not None):
             # The index pass on chip: from here on the sorted ids and their order are shared
             # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up.
-            cute.arch.griddepcontrol_wait()  # as before PDL: CTA 0 publishes where the last call's fix-up read
-            read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)
+            read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)  # an input: before the wait
             # A fresh table's CTAs that only fill need no order: they mark their rows from the raw
-            # ids (TableFill.mark_rows) and skip the sort.
+            # ids (TableFill.mark_rows) and skip the sort, which reads only inputs before its
+            # griddepcontrol wait (the last call's fix-up reads m_sorted).
             sort = Int32(1) if cutlass.const_expr(self.accumulate) else Int32(bidx < ctas)
             in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, bidx == 0, tidx,
                                                    threads, sort)
