@@ -11,7 +11,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from .rows import VECTOR, vector, wide_copy
 
@@ -133,3 +133,51 @@ class ColumnSumsInWarps:
                     cute.copy(atom, acc, vector(out, v))
                 else:
                     cute.copy(atom, acc, vector(out2, v - self.split // VECTOR))
+
+
+@cute.jit
+def add_column_slices(partials: cute.Tensor, out: cute.Tensor, threads: cutlass.Constexpr):
+    """out = the column sums of fp32 partials [rows, columns] (out fp32, or bf16 rounded once), by
+    every CTA of the grid, each adding a slice of the columns: a vector's rows go to `lanes`
+    adjacent lanes of a warp (a power of two up to 32: as many as the slice leaves each vector),
+    lane l adding rows l, l + lanes, ... in order, then a butterfly over the lanes. A thread's
+    loads are independent, so they are in flight together (four a thread with a CTA per partial
+    row, where a warp adding one vector at a time waited a round trip per vector). The order
+    depends only on the grid and the row count: bitwise repeatable."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    ctas, _, _ = cute.arch.grid_dim()
+    vectors, rows = partials.shape[1] // VECTOR, partials.shape[0]
+    per_cta = (vectors + ctas - 1) // ctas
+    lanes = Int32(32)
+    while lanes > 1 and lanes * per_cta > threads:
+        lanes = lanes // 2
+    slot, row_lane, slots = tidx // lanes, tidx % lanes, threads // lanes
+    atom = wide_copy(Float32)
+    acc = cute.make_rmem_tensor((VECTOR,), Float32)
+    staging = cute.make_rmem_tensor((VECTOR,), Float32)
+    for first in cutlass.range(0, per_cta, slots):  # the same trip count in every lane: shuffles below
+        s = first + slot
+        v = bidx * per_cta + s
+        acc.fill(0.0)
+        if s < per_cta and v < vectors:
+            for r in cutlass.range(row_lane, rows, lanes, unroll=4):
+                cute.copy(atom, vector(partials[r, None], v), staging)
+                acc.store(acc.load() + staging.load())
+        for offset in cutlass.range_constexpr(5):
+            if (1 << offset) < lanes:
+                for e in cutlass.range_constexpr(VECTOR):
+                    acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], 1 << offset)
+        if row_lane == 0 and s < per_cta and v < vectors:
+            _store_vector(acc, out, v)
+
+
+@cute.jit
+def _store_vector(acc, out, v):
+    """fp32 `acc` into vector v of `out`, rounded once where out is narrower."""
+    if cutlass.const_expr(out.element_type == Float32):
+        cute.copy(wide_copy(Float32), acc, vector(out, v))
+    else:
+        result = cute.make_rmem_tensor((VECTOR,), out.element_type)
+        result.store(acc.load().to(out.element_type))
+        cute.copy(wide_copy(out.element_type), result, vector(out, v))

@@ -59,7 +59,9 @@ from cutlass import BFloat16, Float32, Int8, Int32, Int64, Uint32
 
 from . import errors, id_radix, runtime
 from .calls import KEY_ERRORS, CallCache
-from .segment_fixup import SegmentFixup, ids_in_range, range_start
+from .column_sum import add_column_slices
+from .gemm.core import grid_barrier
+from .segment_fixup import SegmentFixup, ids_in_range, owned_segment, range_start
 from .table_fill import FILL_ROWS, TableFill
 from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys, sort_ids
 from .id_sort import report_bad_raw_ids
@@ -90,13 +92,19 @@ EARLY_FILL_MAX_TOKENS = 12288
 class EmbeddingRmsNormBackward:
     """`early_fill` (a fresh table's ids sorted beforehand): the build that fills while the radix
     sort runs (fill_early); a build of its own, since its code slowed the walk of the largest
-    calls, which it does not serve (EARLY_FILL_MAX_TOKENS)."""
+    calls, which it does not serve (EARLY_FILL_MAX_TOKENS).
 
-    def __init__(self, hidden: int, accumulate: bool, arch: str = "sm_90a", early_fill: bool = False):
+    `one_launch` (accumulate, ids sorted on chip): the fix-up and the weight gradient's column
+    sum run in the row kernel's own grid after a grid barrier (finish_in_grid), so the call is
+    one cooperative launch: small calls are bound by host time, ~3 us a launch."""
+
+    def __init__(self, hidden: int, accumulate: bool, arch: str = "sm_90a", early_fill: bool = False,
+                 one_launch: bool = False):
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden, self.accumulate, self.arch = hidden, accumulate, arch
         self.early_fill = early_fill and not accumulate
+        self.one_launch = one_launch and accumulate
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         row_bytes = hidden * (2 + 4 + (2 if accumulate else 0))
         self.stages = ring_stages(row_bytes, RING_BYTES - 4 * MAX_STAGES * self.threads, MAX_STAGES)
@@ -127,16 +135,17 @@ class EmbeddingRmsNormBackward:
         """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32, [b, s], contiguous:
         the caller checks), each row-kernel CTA sorting them itself; CTA 0 leaves the sorted ids
         in `sorted_ids` (int32, at least as long) for the fix-up and bad ids' range in `record`
-        (errors.py)."""
+        (errors.py). With `one_launch` the word past those holds the grid barrier's count."""
         # Read flat, as the [b, s] tensor itself: a reshape cost 2.6 us of host time a call.
         ids = cute.make_tensor(ids.iterator, cute.make_layout(cute.size(ids)))
         published = cute.make_tensor(sorted_ids.iterator, cute.make_layout(cute.size(ids)))
+        arrivals = cute.make_tensor(sorted_ids.iterator + SORT_ON_CHIP_MAX_TOKENS, cute.make_layout(1))
         self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, record, table,
-                    grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream)
+                    grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, arrivals=arrivals)
 
     @cute.jit
     def launch(self, grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, ids, record, table,
-               grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, radix=None):
+               grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, radix=None, arrivals=None):
         """workspace rows: [0, ctas) grad_norm_weight partials (fp32 whatever its dtype); ctas + 2c
         and ctas + 2c + 1 the head and tail segment partials of range c; the last row's first
         element the id status (ColumnSum's `skip`: 0 in range, 1 bad ids, 2 bad ids with
@@ -151,21 +160,23 @@ class EmbeddingRmsNormBackward:
         # waits on griddepcontrol before reading anything but its inputs (and the radix
         # sort's marks, which have counters of their own).
         marks, ranges, marked = radix if radix is not None and self.early_fill else (None, None, Int32(0))
+        finish = (grad_norm_weight, arrivals) if self.one_launch else (None, None)
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
                     sorted_ids, order, table, partials, carries, status, ids, record, marks, ranges, ctas,
-                    walker_rows, poison, marked).launch(
+                    walker_rows, poison, marked, *finish).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
-            **_occupancy(self.arch))
-        # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch;
-        # it zeroes the marks for the next call.
-        self.fixup(sorted_ids, table, carries, ctas, partials, grad_norm_weight, status, stream,
-                   ids_ready=ids is None, zeroed=marks)
+            cooperative=self.one_launch, **_occupancy(self.arch))  # one_launch: co-resident for its barrier
+        if cutlass.const_expr(not self.one_launch):
+            # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch;
+            # it zeroes the marks for the next call.
+            self.fixup(sorted_ids, table, carries, ctas, partials, grad_norm_weight, status, stream,
+                       ids_ready=ids is None, zeroed=marks)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
                m_sorted: cute.Tensor, m_order, m_table: cute.Tensor, m_part: cute.Tensor,
                m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, m_marks, m_ranges, ctas: Int32,
-               walker_rows: Int32, poison: Int32, marked: Int32):
+               walker_rows: Int32, poison: Int32, marked: Int32, m_wout, m_arrivals):
         """CTAs [0, ctas) walk ranges of the sorted positions (at least one each); every CTA of
         the grid fills its share of a fresh table, so a short call still fills with the whole
         GPU. Each CTA fills after its walk, so CTAs with short walks fill while others still
@@ -195,7 +206,8 @@ class EmbeddingRmsNormBackward:
             # ids (TableFill.mark_rows) and skip the sort, which reads only inputs before its
             # griddepcontrol wait (the last call's fix-up reads m_sorted).
             sort = Int32(1) if cutlass.const_expr(self.accumulate) else Int32(bidx < ctas)
-            in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, bidx == 0, tidx,
+            publish = Int32(0) if cutlass.const_expr(self.one_launch) else Int32(bidx == 0)  # for the fix-up
+            in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, publish, tidx,
                                                    threads, sort)
         else:
             read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)  # an input: before the wait
@@ -308,6 +320,9 @@ class EmbeddingRmsNormBackward:
                 store_row(loads[1], segment, m_carry[2 * bidx + 1 - head, None], tidx, threads, vpt, vectors)
         if bidx < ctas:
             store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
+        if cutlass.const_expr(self.one_launch):
+            self.finish_in_grid(m_sorted, m_table, m_part, m_carry, m_wout, m_arrivals, ctas, (segment, xs, old),
+                                loads, tidx)
         if cutlass.const_expr(not self.accumulate):
             # A fresh table is written whole, each row once (no fill beforehand): after its walk
             # each CTA fills its share of the rows no id touches (table_fill.py). After the walk, so
@@ -334,6 +349,31 @@ class EmbeddingRmsNormBackward:
                 self.table_fill.fill(m_table, touched, first, rows, value, tidx, 0)
         # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
         cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def finish_in_grid(self, m_sorted, m_table, m_part, m_carry, m_wout, m_arrivals, ctas, regs, loads, tidx):
+        """SegmentFixup's two jobs in the row kernel's grid (`one_launch`), once every CTA has
+        walked (a grid barrier): CTA a adds the segment range a owns, its partials in range
+        order, into the segment's table row, and every CTA adds up a slice of the weight
+        gradient's partial columns (a fixed order). Bad ids write nothing."""
+        bidx, _, _ = cute.arch.block_idx()
+        segment, staging, old = regs
+        threads, vpt, vectors = self.threads, self.vectors_per_thread, self.hidden // VECTOR
+        grid_barrier(m_arrivals, tidx)
+        owns, vid, last_range = owned_segment(m_sorted, m_table.shape[0], bidx, cute.size(m_sorted), ctas)
+        if owns == 1:
+            segment.fill(0.0)
+            for j in cutlass.range(last_range - bidx + 1):
+                row = 2 * (bidx + j)  # the head of range bidx + j, after range bidx's own tail
+                if j == 0:
+                    row = row + 1
+                read_row(loads, (m_carry[row, None],), (staging,), tidx, threads, vpt, vectors)
+                for k in cutlass.range_constexpr(vpt):
+                    segment[None, k].store(segment[None, k].load() + staging[None, k].load())
+            row = m_table[Int32(vid), None]
+            _write_table_row(True, loads[0], segment, old, row, tidx, threads, vpt, vectors, row)
+        if ids_in_range(m_sorted, m_table.shape[0]) == 1:
+            add_column_slices(m_part, m_wout, threads)
 
     @cute.jit
     def fetch(self, fetches, m_go, m_x, m_rstd, m_table, ids, token, j, rows_ring, rstd_ring, slot, tidx):
@@ -429,7 +469,8 @@ def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir
     `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's id dtype
     (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `early_fill`:
     EmbeddingRmsNormBackward's."""
-    op = EmbeddingRmsNormBackward(hidden, accumulate, arch, early_fill)
+    # accumulating with ids sorted on chip: one launch (the calls are small)
+    op = EmbeddingRmsNormBackward(hidden, accumulate, arch, early_fill, one_launch=ids_dtype is not None)
     return runtime.compile_kernel(
         ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype), early_fill),
         op if ids_dtype is None else op.sort_on_chip, *_fake_args(hidden, norm_weight_dtype, ids_dtype),
@@ -580,7 +621,8 @@ class _Workspace(runtime.StreamWorkspace):
         import torch
 
         buffer = super()._new()
-        return buffer, torch.empty(SORT_ON_CHIP_MAX_TOKENS, dtype=torch.int32, device=self.device)
+        # the sorted ids, then the one-launch build's grid barrier count (zero before its first use)
+        return buffer, torch.zeros(SORT_ON_CHIP_MAX_TOKENS + 1, dtype=torch.int32, device=self.device)
 
 
 def _call_key(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate):
@@ -735,7 +777,7 @@ _AUDITED = {  # name: (norm_weight dtype, accumulate, other build options)
     "norm_weight bf16,fresh": (BFloat16, False, {}),
     "norm_weight bf16,fresh,fill during the radix sort": (BFloat16, False, {"early_fill": True}),
     "norm_weight bf16,accumulate": (BFloat16, True, {}),
-    "norm_weight bf16,accumulate,ids sorted on chip": (BFloat16, True, {"ids_dtype": Int64}),
+    "norm_weight bf16,accumulate,ids sorted on chip,one launch": (BFloat16, True, {"ids_dtype": Int64}),
     "norm_weight fp32,fresh": (Float32, False, {}),
 }
 AUDIT_BUILDS = {
@@ -747,3 +789,7 @@ AUDIT_BUILDS = {
 # 128-bit loads of the fp32 rows (the partials, an fp32 norm_weight, hidden_states where no ring
 # holds them); no spills; no atomics (every sum has a fixed order).
 AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}
+# The one-launch build's grid barrier counts arrivals with an integer atomic: still no float one.
+AUDIT_EXPECTS_BY_BUILD = {
+    "embedding_rmsnorm_backward[H=4096,norm_weight bf16,accumulate,ids sorted on chip,one launch]": {
+        arch: {"require": ["LDG.128", "ATOM/RED"], "forbid": ["LOCAL", "ATOM/RED.FLOAT"]} for arch in runtime.ARCHES}}

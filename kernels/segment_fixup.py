@@ -29,6 +29,40 @@ def ids_in_range(m_sorted, vocab) -> Int32:
     return ok
 
 
+@cute.jit
+def owned_segment(m_sorted, vocab, a, tokens, ctas):
+    """(owns, id, last range) for range a of `ctas` over the sorted ids: the segment that starts
+    in range a and runs past its end, if any (its id and the last range it reaches), which the
+    fix-up of range a adds up; (0, 0, a + 1) where there is none or an id is out of range.
+    Random ids make short segments, which end in the next range: one load says so. Only a
+    segment that runs past it (one id on many tokens) pays the binary search for the first id
+    above it, ~log2(T) dependent loads."""
+    lo, hi = range_start(a, tokens, ctas), range_start(a + 1, tokens, ctas)
+    owns = Int32(0)
+    if hi < tokens and ids_in_range(m_sorted, vocab) == 1:
+        if m_sorted[hi] == m_sorted[hi - 1]:
+            owns = Int32(1)
+            if lo > 0:
+                if m_sorted[lo - 1] == m_sorted[hi - 1]:
+                    owns = Int32(0)  # it started in an earlier range, whose fix-up adds it up
+    vid, last_range = Int32(0), a + 1
+    if owns == 1:
+        vid = m_sorted[hi - 1]
+        next_hi = range_start(a + 2, tokens, ctas)
+        if next_hi < tokens:
+            if m_sorted[next_hi] == vid:
+                left, right = next_hi, tokens
+                for _ in cutlass.range_constexpr(32):
+                    if left < right:
+                        mid = (left + right) // 2
+                        if m_sorted[mid] > vid:
+                            right = mid
+                        else:
+                            left = mid + 1
+                last_range = Int32((Int64(left) * Int64(ctas) + Int64(tokens) - 1) // Int64(tokens)) - 1
+    return owns, vid, last_range
+
+
 class SegmentFixup:
     """Table rows of segments cut by range boundaries: the tail partial of the range where the
     segment starts plus the head partials of the ranges it reaches, added in range order.
@@ -93,7 +127,6 @@ class SegmentFixup:
         """The segment range a owns, if any: its columns of column block `column_block`."""
         lane, warp = tidx % 32, tidx // 32
         tokens = cute.size(m_sorted)
-        lo, hi = range_start(a, tokens, ctas), range_start(a + 1, tokens, ctas)
         smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, self.LANE_VECTORS, 32, self.WARPS)),
                                          byte_alignment=16)
@@ -102,31 +135,7 @@ class SegmentFixup:
         vectors = self.hidden // VECTOR
         if cutlass.const_expr(not ids_ready):
             cute.arch.griddepcontrol_wait()  # the row kernel's CTA 0 publishes the sorted ids
-        owns = Int32(0)
-        if hi < tokens and ids_in_range(m_sorted, m_table.shape[0]) == 1:
-            if m_sorted[hi] == m_sorted[hi - 1]:
-                owns = Int32(1)
-                if lo > 0:
-                    if m_sorted[lo - 1] == m_sorted[hi - 1]:
-                        owns = Int32(0)  # it started in an earlier range, whose CTA owns it
-        # The last range the segment reaches. Random ids make short segments, which end in the
-        # next range: one load says so. Only a segment that runs past it (one id on many tokens)
-        # pays the binary search for the first id above vid, ~log2(T) dependent loads.
-        vid, last_range = Int32(0), a + 1
-        if owns == 1:
-            vid = m_sorted[hi - 1]
-            next_hi = range_start(a + 2, tokens, ctas)
-            if next_hi < tokens:
-                if m_sorted[next_hi] == vid:
-                    left, right = next_hi, tokens
-                    for _ in cutlass.range_constexpr(32):
-                        if left < right:
-                            mid = (left + right) // 2
-                            if m_sorted[mid] > vid:
-                                right = mid
-                            else:
-                                left = mid + 1
-                    last_range = Int32((Int64(left) * Int64(ctas) + Int64(tokens) - 1) // Int64(tokens)) - 1
+        owns, vid, last_range = owned_segment(m_sorted, m_table.shape[0], a, tokens, ctas)
         if cutlass.const_expr(ids_ready):
             cute.arch.griddepcontrol_wait()  # the partials and table rows are written past this point
         if owns == 1:
