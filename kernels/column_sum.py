@@ -89,9 +89,7 @@ class ColumnSum:
                 acc.store(acc.load() + warp_sums[None, column, w].load())
             if skip == 2.0:
                 acc.fill(float("nan"))
-            result = cute.make_rmem_tensor((VECTOR,), m_out.element_type)
-            result.store(acc.load().to(m_out.element_type))  # the one rounding of a bf16 out
-            cute.copy(wide_copy(m_out.element_type), result, vector(m_out, v))
+            store_vector(acc, m_out, v)
 
 
 class ColumnSumsInWarps:
@@ -169,15 +167,12 @@ def add_column_slices(partials: cute.Tensor, out: cute.Tensor, threads: cutlass.
                 for e in cutlass.range_constexpr(VECTOR):
                     acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], 1 << offset)
         if row_lane == 0 and s < per_cta and v < vectors:
-            _store_vector(acc, out, v)
+            store_vector(acc, out, v)
 
 
 @cute.jit
-def _store_vector(acc, out, v):
-    """fp32 `acc` into vector v of `out`, rounded once where out is narrower."""
-    if cutlass.const_expr(out.element_type == Float32):
-        cute.copy(wide_copy(Float32), acc, vector(out, v))
-    else:
-        result = cute.make_rmem_tensor((VECTOR,), out.element_type)
-        result.store(acc.load().to(out.element_type))
-        cute.copy(wide_copy(out.element_type), result, vector(out, v))
+def store_vector(acc, out, v):
+    """fp32 `acc` into vector v of `out`, in out's element type: the one rounding of a bf16 out."""
+    result = cute.make_rmem_tensor((VECTOR,), out.element_type)
+    result.store(acc.load().to(out.element_type))
+    cute.copy(wide_copy(out.element_type), result, vector(out, v))

@@ -61,7 +61,7 @@ from . import errors, id_radix, runtime
 from .calls import KEY_ERRORS, CallCache
 from .column_sum import add_column_slices
 from .gemm.core import grid_barrier
-from .segment_fixup import SegmentFixup, ids_in_range, owned_segment, range_start
+from .segment_fixup import SegmentFixup, ids_in_range, owned_segment, range_start, segment_partial_row
 from .table_fill import FILL_ROWS, TableFill
 from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys, sort_ids
 from .id_sort import report_bad_raw_ids
@@ -200,7 +200,8 @@ class EmbeddingRmsNormBackward:
             resume = smem.allocate_tensor(Int32, cute.make_layout(threads + 1), byte_alignment=16)
         if cutlass.const_expr(m_ids is not None):
             # The index pass on chip: from here on the sorted ids and their order are shared
-            # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up.
+            # memory; CTA 0 publishes the sorted ids (m_sorted) for the fix-up kernel, where there
+            # is one (not in one_launch).
             read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)  # an input: before the wait
             # A fresh table's CTAs that only fill need no order: they mark their rows from the raw
             # ids (TableFill.mark_rows) and skip the sort, which reads only inputs before its
@@ -364,10 +365,8 @@ class EmbeddingRmsNormBackward:
         if owns == 1:
             segment.fill(0.0)
             for j in cutlass.range(last_range - bidx + 1):
-                row = 2 * (bidx + j)  # the head of range bidx + j, after range bidx's own tail
-                if j == 0:
-                    row = row + 1
-                read_row(loads, (m_carry[row, None],), (staging,), tidx, threads, vpt, vectors)
+                read_row(loads, (m_carry[segment_partial_row(bidx, j), None],), (staging,), tidx, threads, vpt,
+                         vectors)
                 for k in cutlass.range_constexpr(vpt):
                     segment[None, k].store(segment[None, k].load() + staging[None, k].load())
             row = m_table[Int32(vid), None]

@@ -63,6 +63,16 @@ def owned_segment(m_sorted, vocab, a, tokens, ctas):
     return owns, vid, last_range
 
 
+@cute.jit
+def segment_partial_row(a, j):
+    """The carries row holding partial j of the segment range a owns, in the order they are
+    added: range a's tail (row 2a + 1) for j = 0, then the head of range a + j (row 2(a + j))."""
+    row = 2 * (a + j) + 1
+    if j > 0:
+        row = 2 * (a + j)
+    return row
+
+
 class SegmentFixup:
     """Table rows of segments cut by range boundaries: the tail partial of the range where the
     segment starts plus the head partials of the ranges it reaches, added in range order.
@@ -142,11 +152,8 @@ class SegmentFixup:
             acc = cute.make_rmem_tensor((VECTOR, self.LANE_VECTORS), Float32)
             staging = cute.make_rmem_tensor((VECTOR,), Float32)
             acc.fill(0.0)
-            # partial j: the tail of range a (j = 0), then the head of range a + j
             for j in cutlass.range(warp, last_range - a + 1, self.WARPS, unroll=2):
-                row = 2 * (a + j) + 1
-                if j > 0:
-                    row = 2 * (a + j)
+                row = segment_partial_row(a, j)
                 for i in cutlass.range_constexpr(self.LANE_VECTORS):
                     if first + 32 * i < vectors:
                         cute.copy(f32, vector(m_carry[row, None], first + 32 * i), staging)
