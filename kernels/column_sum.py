@@ -20,9 +20,9 @@ class ColumnSum:
     """out[j] = sum_i partials[i, j], hidden a multiple of VECTOR; out fp32 or bf16 (its
     element type, fixed at compile time, picks the store).
 
-    A CTA owns LINE_VECTORS column vectors (64 bytes of each partial row) and spreads the
-    partial rows over 8 x warps streams: ROW_LANES row lanes in each warp, stream s adding
-    rows s, s + 8 x warps, ... in order. The streams combine by a butterfly within the warp, then
+    A CTA owns `line_vectors` column vectors (4: 64 bytes of each partial row) and spreads the
+    partial rows over row_lanes x warps streams (row_lanes = 32 / line_vectors in each warp),
+    stream s adding rows s, s + streams, ... in order. The streams combine by a butterfly within the warp, then
     warp 0 adds the warps in warp order. Many CTAs each walking a few rows: the ~300-500
     partial rows of a persistent grid cost two to four dependent loads a stream. Launched with programmatic
     dependent launch: it starts while the backward kernel drains and waits on griddepcontrol.
@@ -36,13 +36,14 @@ class ColumnSum:
     # fused residual RMSNorm backward's shortest grid calls against a full line (80 CTAs, longer
     # chains); a quarter line was in between.
     LINE_VECTORS = 4
-    ROW_LANES = 32 // LINE_VECTORS
 
-    def __init__(self, hidden: int, warps: int = 16):
+    def __init__(self, hidden: int, warps: int = 16, line_vectors: int = LINE_VECTORS):
         """`warps` a CTA: 16 in a launch of its own; fewer as part of another kernel's grid
-        (SegmentFixup's), whose CTA size it takes."""
-        self.hidden, self.warps = hidden, warps
-        self.ctas = -(-hidden // VECTOR // self.LINE_VECTORS)
+        (SegmentFixup's), whose CTA size it takes, with fewer `line_vectors` (a power of two up
+        to 32) so each vector still gets as many streams."""
+        self.hidden, self.warps, self.line_vectors = hidden, warps, line_vectors
+        self.row_lanes = 32 // line_vectors
+        self.ctas = -(-hidden // VECTOR // line_vectors)
 
     @cute.jit
     def __call__(self, partials: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream, skip=None):
@@ -59,11 +60,11 @@ class ColumnSum:
     def sum(self, m_part: cute.Tensor, m_out: cute.Tensor, m_skip, bidx, tidx):
         """CTA `bidx`'s columns (of self.ctas), waiting on griddepcontrol for the partials."""
         lane, warp = tidx % 32, tidx // 32
-        column, row_lane = lane % self.LINE_VECTORS, lane // self.LINE_VECTORS
-        v = bidx * self.LINE_VECTORS + column
-        streams = self.warps * self.ROW_LANES
+        column, row_lane = lane % self.line_vectors, lane // self.line_vectors
+        v = bidx * self.line_vectors + column
+        streams = self.warps * self.row_lanes
         smem = cutlass.memory.SmemAllocator()
-        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, self.LINE_VECTORS, self.warps)),
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((VECTOR, self.line_vectors, self.warps)),
                                          byte_alignment=16)
         atom = wide_copy(Float32)
         acc = cute.make_rmem_tensor((VECTOR,), Float32)
@@ -71,12 +72,12 @@ class ColumnSum:
         acc.fill(0.0)
         cute.arch.griddepcontrol_wait()  # the partials are complete and visible past this point
         if v < self.hidden // VECTOR:
-            for i in cutlass.range(warp * self.ROW_LANES + row_lane, m_part.shape[0], streams, unroll=4):
+            for i in cutlass.range(warp * self.row_lanes + row_lane, m_part.shape[0], streams, unroll=4):
                 cute.copy(atom, vector(m_part[i, None], v), staging)
                 acc.store(acc.load() + staging.load())
-        for offset in cutlass.range_constexpr(self.ROW_LANES.bit_length() - 1):
+        for offset in cutlass.range_constexpr(self.row_lanes.bit_length() - 1):
             for e in cutlass.range_constexpr(VECTOR):
-                acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], self.LINE_VECTORS << offset)
+                acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], self.line_vectors << offset)
         if row_lane == 0:
             warp_sums[None, column, warp].store(acc.load())
         cute.arch.barrier()

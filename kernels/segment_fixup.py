@@ -101,7 +101,7 @@ class SegmentFixup:
     def __init__(self, hidden: int, accumulate: bool):
         self.hidden, self.accumulate = hidden, accumulate
         self.column_blocks = -(-hidden // VECTOR // self.LINE_VECTORS)
-        self.column_sum = ColumnSum(hidden, warps=self.WARPS)
+        self.column_sum = ColumnSum(hidden, warps=self.WARPS, line_vectors=1)
 
     @cute.jit
     def __call__(self, sorted_ids: cute.Tensor, table: cute.Tensor, carries: cute.Tensor, ctas: Int32,
