@@ -100,6 +100,11 @@ def main(argv=None) -> int:
 
     if not have_gpu("train_step"):
         return 0
+    # Each model compiles twice (as it is and patched) at each sequence length, and transformers'
+    # forward wrappers are code objects every model shares: past dynamo's default of 8 cache
+    # entries a code object the later variants would run eagerly, with only a warning.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     rows = []
     names = args.model or sorted(MODELS)
     if args.decoder_layers:
@@ -108,6 +113,7 @@ def main(argv=None) -> int:
             parser.error("--decoder-layers patches Mistral's layers: name a Mistral model")
     for name in names:
         family, widths = MODELS[name]
+        torch._dynamo.reset()  # no cache entries of the model before
         eager = one_layer(family, widths, "eager" if args.decoder_layers else "sdpa")
         compiled = torch.compile(copy.deepcopy(eager))
         patched = copy.deepcopy(eager)
