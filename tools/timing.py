@@ -34,6 +34,14 @@ def write_results(path: str | None, **fields) -> None:
             json.dump({"gpu": torch.cuda.get_device_name(), **fields}, f, indent=1)
 
 
+def strict_compile() -> None:
+    """torch.compile in a timing run: past dynamo's recompile limit (8 cache entries a code
+    object) a function would run eagerly, with only a warning, and be timed as compiled. Raise
+    the limit and fail instead."""
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 def have_gpu(tool: str) -> bool:
     """True with a CUDA GPU; otherwise say that `tool` has nothing to run here."""
     if torch.cuda.is_available():

@@ -96,15 +96,13 @@ def main(argv=None) -> int:
     import torch
 
     import cutebwd
-    from cutebwd.tools.timing import have_gpu, progress, write_results
+    from cutebwd.tools.timing import have_gpu, progress, strict_compile, write_results
 
     if not have_gpu("train_step"):
         return 0
     # Each model compiles twice (as it is and patched) at each sequence length, and transformers'
-    # forward wrappers are code objects every model shares: past dynamo's default of 8 cache
-    # entries a code object the later variants would run eagerly, with only a warning.
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    # forward wrappers are code objects every model shares.
+    strict_compile()
     rows = []
     names = args.model or sorted(MODELS)
     if args.decoder_layers:
