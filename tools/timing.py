@@ -38,8 +38,15 @@ def strict_compile() -> None:
     """torch.compile in a timing run: past dynamo's recompile limit (8 cache entries a code
     object) a function would run eagerly, with only a warning, and be timed as compiled. Raise
     the limit and fail instead."""
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    config = torch._dynamo.config
+    # the names since torch 2.6, and before
+    for limit, fail in (("recompile_limit", "fail_on_recompile_limit_hit"),
+                        ("cache_size_limit", "fail_on_cache_limit_hit")):
+        if hasattr(config, limit):
+            setattr(config, limit, max(getattr(config, limit), 64))
+            if hasattr(config, fail):
+                setattr(config, fail, True)
+            return
 
 
 def have_gpu(tool: str) -> bool:
