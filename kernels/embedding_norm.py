@@ -1,0 +1,97 @@
+"""A model's embedding lookup and first RMSNorm as one autograd function whose backward is the
+embedding backward's model form (embedding_backward.embedding_norm_backward).
+
+    embedding_norm(input_ids, weight, norm_weight, eps, one_plus=False, embed_scale=None)
+        -> (embeds, normed): embeds = weight[input_ids] (times Gemma's embed_scale, rounded to the
+        weight's dtype as transformers does), normed = the first layer's RMSNorm of embeds as
+        transformers computes it (kernels/modules.py rms_norm). The residual branch carries
+        embeds on, the layer's attention reads normed; the backward gets both gradients and
+        writes the table's gradient in one pass, each row rounded once.
+
+The table's gradient: where `weight.grad` already holds one (gradient accumulation over micro
+batches, or a tied output projection whose gradient came first) the backward adds into it in
+place (accumulate=True: only the rows the ids name are read and written) and hands autograd
+nothing for the table; otherwise it writes a fresh table and hands that to autograd. Hooks that
+autograd runs as it accumulates a parameter's gradient (DistributedDataParallel's) do not see
+an in-place addition. On CPU tensors, or shapes the kernels do not take, the backward is the
+same arithmetic in PyTorch.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..references.rmsnorm import normalized_dx
+
+
+class _EmbeddingNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_ids, weight, norm_weight, eps, one_plus, embed_scale):
+        # transformers' own sequence of operations, so the outputs are bitwise the model's
+        embeds = torch.nn.functional.embedding(input_ids, weight)
+        if embed_scale is not None:
+            embeds = embeds * torch.tensor(embed_scale, dtype=weight.dtype, device=weight.device)
+        x32 = embeds.to(torch.float32)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        if one_plus:
+            normed = (x32 * rstd * (1.0 + norm_weight.float())).type_as(embeds)
+        else:
+            normed = norm_weight * (x32 * rstd).to(embeds.dtype)
+        ctx.save_for_backward(input_ids, weight, embeds, rstd, norm_weight)
+        ctx.one_plus = one_plus
+        # the scale as the forward applied it: rounded to the weight's dtype
+        ctx.embed_scale = 1.0 if embed_scale is None else float(torch.tensor(embed_scale, dtype=weight.dtype))
+        return embeds, normed
+
+    @staticmethod
+    def backward(ctx, grad_embeds, grad_normed):
+        input_ids, weight, embeds, rstd, norm_weight = ctx.saved_tensors
+        if grad_normed is None:
+            grad_normed = torch.zeros_like(embeds)
+        if grad_embeds is None:
+            grad_embeds = torch.zeros_like(embeds)
+        scale = norm_weight.float() + 1.0 if ctx.one_plus else norm_weight.float()
+        grad_norm_weight = torch.empty_like(scale)
+        accumulate = weight.grad is not None and _kernel_table(weight.grad, weight)
+        table = weight.grad if accumulate else None
+        if embeds.is_cuda and _kernel_reads(embeds, grad_normed, grad_embeds, weight):
+            from .embedding_backward import embedding_norm_backward
+
+            if table is None:
+                table = torch.empty_like(weight)
+            embedding_norm_backward(grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(),
+                                    ctx.embed_scale, table, grad_norm_weight, accumulate=accumulate,
+                                    poison=not accumulate)
+        else:
+            fresh, grad_norm_weight = embedding_norm_backward_reference(
+                grad_normed, input_ids, embeds, rstd, scale, grad_embeds, ctx.embed_scale, weight.shape[0])
+            table = fresh.to(weight.dtype) if table is None else table.copy_(table.float() + fresh)
+        return None, None if accumulate else table, grad_norm_weight.to(norm_weight.dtype), None, None, None
+
+
+def _kernel_table(grad, weight) -> bool:
+    """A gradient the kernels can add into: the weight's shape, bf16, contiguous."""
+    return grad.dtype == torch.bfloat16 and grad.shape == weight.shape and grad.is_contiguous()
+
+
+def _kernel_reads(embeds, grad_normed, grad_embeds, weight) -> bool:
+    """What the model form takes: bf16 rows of a multiple of 8 elements, a bf16 table."""
+    return (embeds.dtype == grad_normed.dtype == grad_embeds.dtype == weight.dtype == torch.bfloat16
+            and embeds.shape[-1] % 8 == 0)
+
+
+def embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float,
+                                      vocab: int):
+    """The kernel's arithmetic in PyTorch: (the table's gradient in fp32, grad of the norm's
+    weight in fp32), fp32 throughout."""
+    hidden = embeds.shape[-1]
+    g, normalized = grad_normed.float(), embeds.float() * rstd
+    rows = (normalized_dx(g * scale, normalized, rstd) + grad_embeds.float()) * embed_scale
+    table = torch.zeros(vocab, hidden, dtype=torch.float32, device=embeds.device)
+    table.index_add_(0, input_ids.reshape(-1), rows.reshape(-1, hidden))
+    return table, (g * normalized).reshape(-1, hidden).sum(0)
+
+
+def embedding_norm(input_ids: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   one_plus: bool = False, embed_scale: float | None = None):
+    """(embeds, normed) of the model's embedding and first RMSNorm (module docstring)."""
+    return _EmbeddingNormFunction.apply(input_ids, weight, norm_weight, eps, one_plus, embed_scale)
