@@ -1,20 +1,21 @@
 """A model's embedding lookup and first RMSNorm as one autograd function whose backward is the
 embedding backward's model form (embedding_backward.embedding_norm_backward).
 
-    embedding_norm(input_ids, weight, norm_weight, eps, one_plus=False, embed_scale=None)
+    embedding_norm(input_ids, weight, norm_weight, eps, one_plus=False, embed_scale=None, padding_idx=None)
         -> (embeds, normed): embeds = weight[input_ids] (times Gemma's embed_scale, rounded to the
         weight's dtype as transformers does), normed = the first layer's RMSNorm of embeds as
         transformers computes it (kernels/modules.py rms_norm). The residual branch carries
         embeds on, the layer's attention reads normed; the backward gets both gradients and
-        writes the table's gradient in one pass, each row rounded once.
+        writes the table's gradient in one pass, each row rounded once. The row `padding_idx`
+        gets no gradient, as in torch.nn.Embedding.
 
 The table's gradient: where `weight.grad` already holds one (gradient accumulation over micro
 batches, or a tied output projection whose gradient came first) the backward adds into it in
 place (accumulate=True: only the rows the ids name are read and written) and hands autograd
 nothing for the table; otherwise it writes a fresh table and hands that to autograd. Hooks that
 autograd runs as it accumulates a parameter's gradient (DistributedDataParallel's) do not see
-an in-place addition. On CPU tensors, or shapes the kernels do not take, the backward is the
-same arithmetic in PyTorch.
+an in-place addition. On CPU tensors, shapes the kernels do not take, and under torch.compile
+(which traces the backward), the backward is the same arithmetic in PyTorch, and never in place.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ..references.rmsnorm import normalized_dx
 
 class _EmbeddingNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_ids, weight, norm_weight, eps, one_plus, embed_scale):
+    def forward(ctx, input_ids, weight, norm_weight, eps, one_plus, embed_scale, padding_idx):
         # transformers' own sequence of operations, so the outputs are bitwise the model's
         embeds = torch.nn.functional.embedding(input_ids, weight)
         if embed_scale is not None:
@@ -37,7 +38,7 @@ class _EmbeddingNormFunction(torch.autograd.Function):
         else:
             normed = norm_weight * (x32 * rstd).to(embeds.dtype)
         ctx.save_for_backward(input_ids, weight, embeds, rstd, norm_weight)
-        ctx.one_plus = one_plus
+        ctx.one_plus, ctx.padding_idx = one_plus, padding_idx
         # the scale as the forward applied it: rounded to the weight's dtype
         ctx.embed_scale = 1.0 if embed_scale is None else float(torch.tensor(embed_scale, dtype=weight.dtype))
         return embeds, normed
@@ -51,21 +52,26 @@ class _EmbeddingNormFunction(torch.autograd.Function):
             grad_embeds = torch.zeros_like(embeds)
         scale = norm_weight.float() + 1.0 if ctx.one_plus else norm_weight.float()
         grad_norm_weight = torch.empty_like(scale)
-        accumulate = weight.grad is not None and _kernel_table(weight.grad, weight)
+        compiling = torch.compiler.is_compiling()
+        accumulate = not compiling and weight.grad is not None and _kernel_table(weight.grad, weight)
         table = weight.grad if accumulate else None
-        if embeds.is_cuda and _kernel_reads(embeds, grad_normed, grad_embeds, weight):
+        padding = ctx.padding_idx
+        if embeds.is_cuda and not compiling and _kernel_reads(embeds, grad_normed, grad_embeds, weight):
             from .embedding_backward import embedding_norm_backward
 
+            kept = table[padding].clone() if accumulate and padding is not None else None
             if table is None:
                 table = torch.empty_like(weight)
             embedding_norm_backward(grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(),
                                     ctx.embed_scale, table, grad_norm_weight, accumulate=accumulate,
                                     poison=not accumulate)
+            if padding is not None:  # the kernel adds every id's rows: put the padding row back
+                table[padding] = 0 if kept is None else kept
         else:
             fresh, grad_norm_weight = embedding_norm_backward_reference(
-                grad_normed, input_ids, embeds, rstd, scale, grad_embeds, ctx.embed_scale, weight.shape[0])
+                grad_normed, input_ids, embeds, rstd, scale, grad_embeds, ctx.embed_scale, weight.shape[0], padding)
             table = fresh.to(weight.dtype) if table is None else table.copy_(table.float() + fresh)
-        return None, None if accumulate else table, grad_norm_weight.to(norm_weight.dtype), None, None, None
+        return None, None if accumulate else table, grad_norm_weight.to(norm_weight.dtype), None, None, None, None
 
 
 def _kernel_table(grad, weight) -> bool:
@@ -80,18 +86,20 @@ def _kernel_reads(embeds, grad_normed, grad_embeds, weight) -> bool:
 
 
 def embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float,
-                                      vocab: int):
+                                      vocab: int, padding_idx=None):
     """The kernel's arithmetic in PyTorch: (the table's gradient in fp32, grad of the norm's
-    weight in fp32), fp32 throughout."""
+    weight in fp32), fp32 throughout; no gradient for the row `padding_idx`."""
     hidden = embeds.shape[-1]
     g, normalized = grad_normed.float(), embeds.float() * rstd
     rows = (normalized_dx(g * scale, normalized, rstd) + grad_embeds.float()) * embed_scale
+    if padding_idx is not None:
+        rows = rows.masked_fill((input_ids == padding_idx).unsqueeze(-1), 0.0)
     table = torch.zeros(vocab, hidden, dtype=torch.float32, device=embeds.device)
     table.index_add_(0, input_ids.reshape(-1), rows.reshape(-1, hidden))
     return table, (g * normalized).reshape(-1, hidden).sum(0)
 
 
 def embedding_norm(input_ids: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   one_plus: bool = False, embed_scale: float | None = None):
+                   one_plus: bool = False, embed_scale: float | None = None, padding_idx: int | None = None):
     """(embeds, normed) of the model's embedding and first RMSNorm (module docstring)."""
-    return _EmbeddingNormFunction.apply(input_ids, weight, norm_weight, eps, one_plus, embed_scale)
+    return _EmbeddingNormFunction.apply(input_ids, weight, norm_weight, eps, one_plus, embed_scale, padding_idx)

@@ -95,3 +95,16 @@ def test_gpu_backward_is_the_reference_arithmetic():
                         one_plus=True, embed_scale=16.0)
     for got, want in zip(on_gpu, on_cpu):
         torch.testing.assert_close(got.cpu(), want, rtol=0.01, atol=1e-2)
+
+
+def test_padding_row_gets_no_gradient():
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        ids, weight, norm_weight, grads = _inputs(device)
+        padding = int(ids[0, 0])
+        embeds, normed = embedding_norm(ids, weight, norm_weight, 1e-6, padding_idx=padding)
+        torch.autograd.backward((embeds, normed), grads)
+        assert not weight.grad[padding].any() and weight.grad.any()
+        before = weight.grad.clone()
+        embeds, normed = embedding_norm(ids, weight, norm_weight, 1e-6, padding_idx=padding)
+        torch.autograd.backward((embeds, normed), grads)  # into the gradient there: the padding row kept
+        assert torch.equal(weight.grad[padding], before[padding]) and not torch.equal(weight.grad, before)
