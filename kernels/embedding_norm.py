@@ -14,14 +14,16 @@ batches, or a tied output projection whose gradient came first) the backward add
 place (accumulate=True: only the rows the ids name are read and written) and hands autograd
 nothing for the table; otherwise it writes a fresh table and hands that to autograd. Hooks that
 autograd runs as it accumulates a parameter's gradient (DistributedDataParallel's) do not see
-an in-place addition. On CPU tensors, shapes the kernels do not take, and under torch.compile
-(which traces the backward), the backward is the same arithmetic in PyTorch, and never in place.
+an in-place addition. Under torch.compile (which traces the backward) it is never in place: the
+fresh table comes from torch.ops.cutebwd.embedding_norm_backward. On CPU tensors and shapes the
+kernels do not take, the backward is the same arithmetic in PyTorch.
 """
 from __future__ import annotations
 
 import torch
 
 from ..references.rmsnorm import normalized_dx
+from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
 
 
 class _EmbeddingNormFunction(torch.autograd.Function):
@@ -51,27 +53,55 @@ class _EmbeddingNormFunction(torch.autograd.Function):
         if grad_embeds is None:
             grad_embeds = torch.zeros_like(embeds)
         scale = norm_weight.float() + 1.0 if ctx.one_plus else norm_weight.float()
-        grad_norm_weight = torch.empty_like(scale)
-        compiling = torch.compiler.is_compiling()
-        accumulate = not compiling and weight.grad is not None and _kernel_table(weight.grad, weight)
-        table = weight.grad if accumulate else None
-        padding = ctx.padding_idx
-        if embeds.is_cuda and not compiling and _kernel_reads(embeds, grad_normed, grad_embeds, weight):
-            from .embedding_backward import embedding_norm_backward
-
-            kept = table[padding].clone() if accumulate and padding is not None else None
-            if table is None:
-                table = torch.empty_like(weight)
-            embedding_norm_backward(grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(),
-                                    ctx.embed_scale, table, grad_norm_weight, accumulate=accumulate,
-                                    poison=not accumulate)
-            if padding is not None:  # the kernel adds every id's rows: put the padding row back
-                table[padding] = 0 if kept is None else kept
+        rows = (grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(), ctx.embed_scale)
+        in_place = (not torch.compiler.is_compiling() and weight.grad is not None
+                    and _kernel_table(weight.grad, weight))
+        if in_place:
+            grad_norm_weight = _add_table_gradient(weight.grad, *rows, ctx.padding_idx)
+            table = None
         else:
-            fresh, grad_norm_weight = embedding_norm_backward_reference(
-                grad_normed, input_ids, embeds, rstd, scale, grad_embeds, ctx.embed_scale, weight.shape[0], padding)
-            table = fresh.to(weight.dtype) if table is None else table.copy_(table.float() + fresh)
-        return None, None if accumulate else table, grad_norm_weight.to(norm_weight.dtype), None, None, None, None
+            table, grad_norm_weight = torch.ops.cutebwd.embedding_norm_backward(*rows, weight.shape[0],
+                                                                                ctx.padding_idx)
+        return None, table, grad_norm_weight.to(norm_weight.dtype), None, None, None, None
+
+
+def fresh_table_gradient(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float, vocab: int,
+                         padding_idx=None):
+    """(the table's gradient bf16 [vocab, H], the norm weight's fp32): the kernel where it reads
+    the rows, its arithmetic in PyTorch elsewhere (torch.ops.cutebwd.embedding_norm_backward)."""
+    if embeds.is_cuda and _kernel_reads(embeds, grad_normed, grad_embeds):
+        from .embedding_backward import embedding_norm_backward
+
+        table = embeds.new_empty((vocab, embeds.shape[-1]))
+        grad_norm_weight = torch.empty_like(scale)
+        embedding_norm_backward(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale, table,
+                                grad_norm_weight, accumulate=False, poison=True)
+        if padding_idx is not None:  # the kernel adds every id's rows
+            table[padding_idx] = 0
+        return table, grad_norm_weight
+    fresh, grad_norm_weight = embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale,
+                                                                grad_embeds, embed_scale, vocab, padding_idx)
+    return fresh.to(embeds.dtype), grad_norm_weight
+
+
+def _add_table_gradient(table, grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float,
+                        padding_idx):
+    """Adds the table's gradient into `table` in place (only the rows the ids name are read and
+    written); -> the norm weight's gradient (fp32)."""
+    if embeds.is_cuda and _kernel_reads(embeds, grad_normed, grad_embeds):
+        from .embedding_backward import embedding_norm_backward
+
+        kept = table[padding_idx].clone() if padding_idx is not None else None
+        grad_norm_weight = torch.empty_like(scale)
+        embedding_norm_backward(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale, table,
+                                grad_norm_weight, accumulate=True, poison=False)
+        if kept is not None:  # the kernel adds every id's rows: the padding row as it was
+            table[padding_idx] = kept
+        return grad_norm_weight
+    fresh, grad_norm_weight = embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale,
+                                                                grad_embeds, embed_scale, table.shape[0], padding_idx)
+    table.copy_(table.float() + fresh)
+    return grad_norm_weight
 
 
 def _kernel_table(grad, weight) -> bool:
@@ -79,10 +109,10 @@ def _kernel_table(grad, weight) -> bool:
     return grad.dtype == torch.bfloat16 and grad.shape == weight.shape and grad.is_contiguous()
 
 
-def _kernel_reads(embeds, grad_normed, grad_embeds, weight) -> bool:
-    """What the model form takes: bf16 rows of a multiple of 8 elements, a bf16 table."""
-    return (embeds.dtype == grad_normed.dtype == grad_embeds.dtype == weight.dtype == torch.bfloat16
-            and embeds.shape[-1] % 8 == 0)
+def _kernel_reads(embeds, grad_normed, grad_embeds) -> bool:
+    """What the model form takes: bf16 rows of a multiple of 8 elements (the table has the
+    embeddings' dtype)."""
+    return embeds.dtype == grad_normed.dtype == grad_embeds.dtype == torch.bfloat16 and embeds.shape[-1] % 8 == 0
 
 
 def embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float,
