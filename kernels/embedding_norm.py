@@ -24,6 +24,7 @@ import torch
 
 from ..references.rmsnorm import normalized_dx
 from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
+from .modules import rms_norm_forward
 
 
 class _EmbeddingNormFunction(torch.autograd.Function):
@@ -33,12 +34,7 @@ class _EmbeddingNormFunction(torch.autograd.Function):
         embeds = torch.nn.functional.embedding(input_ids, weight)
         if embed_scale is not None:
             embeds = embeds * torch.tensor(embed_scale, dtype=weight.dtype, device=weight.device)
-        x32 = embeds.to(torch.float32)
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        if one_plus:
-            normed = (x32 * rstd * (1.0 + norm_weight.float())).type_as(embeds)
-        else:
-            normed = norm_weight * (x32 * rstd).to(embeds.dtype)
+        normed, rstd = rms_norm_forward(embeds, norm_weight, eps, one_plus)
         ctx.save_for_backward(input_ids, weight, embeds, rstd, norm_weight)
         ctx.one_plus, ctx.padding_idx = one_plus, padding_idx
         # the scale as the forward applied it: rounded to the weight's dtype
