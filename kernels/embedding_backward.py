@@ -781,7 +781,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
 
 
 def _launch(entry, tokens: int, grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size: int, table,
-            grad_norm_weight, poison: int, model=()):
+            grad_norm_weight, poison: int, model=(None, None)):
     """The index pass where the call's size needs one, then the row kernel's FFI call (with the
     fix-up); `model`: the model form's (residual_grad, embed_scale)."""
     workspace, sorted_on_chip = entry.workspace.get()

@@ -31,14 +31,15 @@ class _EmbeddingNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_ids, weight, norm_weight, eps, one_plus, embed_scale, padding_idx):
         # transformers' own sequence of operations, so the outputs are bitwise the model's
+        # transformers multiplies by the scale as a tensor of the weight's dtype: the same
+        # product as a Python number rounded to that dtype, which needs no host-to-device copy
+        scale = 1.0 if embed_scale is None else float(torch.tensor(embed_scale, dtype=weight.dtype))
         embeds = torch.nn.functional.embedding(input_ids, weight)
         if embed_scale is not None:
-            embeds = embeds * torch.tensor(embed_scale, dtype=weight.dtype, device=weight.device)
+            embeds = embeds * scale
         normed, rstd = rms_norm_forward(embeds, norm_weight, eps, one_plus)
         ctx.save_for_backward(input_ids, weight, embeds, rstd, norm_weight)
-        ctx.one_plus, ctx.padding_idx = one_plus, padding_idx
-        # the scale as the forward applied it: rounded to the weight's dtype
-        ctx.embed_scale = 1.0 if embed_scale is None else float(torch.tensor(embed_scale, dtype=weight.dtype))
+        ctx.one_plus, ctx.padding_idx, ctx.embed_scale = one_plus, padding_idx, scale
         return embeds, normed
 
     @staticmethod
