@@ -99,14 +99,17 @@ class EmbeddingRmsNormBackward:
     one cooperative launch: small calls are bound by host time, ~3 us a launch."""
 
     def __init__(self, hidden: int, accumulate: bool, arch: str = "sm_90a", early_fill: bool = False,
-                 one_launch: bool = False):
+                 one_launch: bool = False, model: bool = False):
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden, self.accumulate, self.arch = hidden, accumulate, arch
         self.early_fill = early_fill and not accumulate
         self.one_launch = one_launch and accumulate
+        self.model = model
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
-        row_bytes = hidden * (2 + 4 + (2 if accumulate else 0))
+        # a token's row bytes: grad_output bf16, hidden_states fp32 (the model form's bf16, with
+        # the residual branch's bf16 gradient), the table row with accumulate
+        row_bytes = hidden * (2 + (4 if not model else 2 + 2) + (2 if accumulate else 0))
         self.stages = ring_stages(row_bytes, RING_BYTES - 4 * MAX_STAGES * self.threads, MAX_STAGES)
         self.fixup = SegmentFixup(hidden, accumulate)
         self.table_fill = TableFill(hidden, self.threads, self.vectors_per_thread)
@@ -116,22 +119,25 @@ class EmbeddingRmsNormBackward:
                  norm_weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
                  grad_norm_weight: cute.Tensor, workspace: cute.Tensor, marks: cute.Tensor, ranges: cute.Tensor,
                  ctas: Int32, grid: Int32, walker_rows: Int32, poison: Int32, marked: Int32,
-                 stream: cuda.CUstream):
+                 stream: cuda.CUstream, residual_grad=None, embed_scale=None):
         """The ids sorted beforehand (int32 sorted ids and their int64 order; the index pass
         records bad ids). Of `grid` CTAs the first `ctas` walk the sorted positions and all fill
         a fresh table (see `kernel`). `poison` (fresh tables): 1 where the outputs are the
         call's own, which bad ids fill with NaN; 0 where they are the caller's, which bad ids
         leave untouched. `marked` 1: the radix sort runs before this kernel with `mark` on, and
-        `marks` and `ranges` are its (id_radix), so the fill starts before the sort ends."""
+        `marks` and `ranges` are its (id_radix), so the fill starts before the sort ends. The
+        model form's build (`model`) also takes the residual branch's gradient and the
+        embedding's scale (embedding_norm_backward)."""
         self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, None, table,
                     grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream,
-                    (marks, ranges, marked))
+                    (marks, ranges, marked), model=(residual_grad, embed_scale))
 
     @cute.jit
     def sort_on_chip(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
                      norm_weight: cute.Tensor, ids: cute.Tensor, sorted_ids: cute.Tensor, record: cute.Tensor,
                      table: cute.Tensor, grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32,
-                     grid: Int32, walker_rows: Int32, poison: Int32, stream: cuda.CUstream):
+                     grid: Int32, walker_rows: Int32, poison: Int32, stream: cuda.CUstream, residual_grad=None,
+                     embed_scale=None):
         """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32, [b, s], contiguous:
         the caller checks), each row-kernel CTA sorting them itself; CTA 0 leaves the sorted ids
         in `sorted_ids` (int32, at least as long) for the fix-up and bad ids' range in `record`
@@ -141,11 +147,13 @@ class EmbeddingRmsNormBackward:
         published = cute.make_tensor(sorted_ids.iterator, cute.make_layout(cute.size(ids)))
         arrivals = cute.make_tensor(sorted_ids.iterator + SORT_ON_CHIP_MAX_TOKENS, cute.make_layout(1))
         self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, record, table,
-                    grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, arrivals=arrivals)
+                    grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, arrivals=arrivals,
+                    model=(residual_grad, embed_scale))
 
     @cute.jit
     def launch(self, grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, ids, record, table,
-               grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, radix=None, arrivals=None):
+               grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, radix=None, arrivals=None,
+               model=(None, None)):
         """workspace rows: [0, ctas) grad_norm_weight partials (fp32 whatever its dtype); ctas + 2c
         and ctas + 2c + 1 the head and tail segment partials of range c; the last row's first
         element the id status (ColumnSum's `skip`: 0 in range, 1 bad ids, 2 bad ids with
@@ -161,9 +169,11 @@ class EmbeddingRmsNormBackward:
         # sort's marks, which have counters of their own).
         marks, ranges, marked = radix if radix is not None and self.early_fill else (None, None, Int32(0))
         finish = (grad_norm_weight, arrivals) if self.one_launch else (None, None)
+        residual_grad, embed_scale = model
+        residual_rows = rows_view(residual_grad) if residual_grad is not None else None
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
                     sorted_ids, order, table, partials, carries, status, ids, record, marks, ranges, ctas,
-                    walker_rows, poison, marked, *finish).launch(
+                    walker_rows, poison, marked, *finish, residual_rows, embed_scale).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
             cooperative=self.one_launch, **_occupancy(self.arch))  # one_launch: co-resident for its barrier
         if cutlass.const_expr(not self.one_launch):
@@ -176,7 +186,7 @@ class EmbeddingRmsNormBackward:
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
                m_sorted: cute.Tensor, m_order, m_table: cute.Tensor, m_part: cute.Tensor,
                m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, m_marks, m_ranges, ctas: Int32,
-               walker_rows: Int32, poison: Int32, marked: Int32, m_wout, m_arrivals):
+               walker_rows: Int32, poison: Int32, marked: Int32, m_wout, m_arrivals, m_res, embed_scale):
         """CTAs [0, ctas) walk ranges of the sorted positions (at least one each); every CTA of
         the grid fills its share of a fresh table, so a short call still fills with the whole
         GPU. Each CTA fills after its walk, so CTAs with short walks fill while others still
@@ -247,17 +257,19 @@ class EmbeddingRmsNormBackward:
             if m_sorted[lo - 1] == m_sorted[lo]:
                 head = Int32(1)
         ring = self.stages
+        # A token's rows: grad_output, hidden_states and, in a model form, the residual branch's gradient
+        token_rows = (m_go, m_x) if cutlass.const_expr(m_res is None) else (m_go, m_x, m_res)
         if cutlass.const_expr(ring > 0):
             # Ring in shared memory, as in rmsnorm_backward: each thread copies and later reads only
             # its own vectors (and its own copy of rstd), so no barrier, one cp.async group per
             # position.
-            rows_ring = alloc_ring(smem, (m_go, m_x, m_table) if cutlass.const_expr(self.accumulate) else (m_go, m_x),
+            rows_ring = alloc_ring(smem, token_rows + (m_table,) if cutlass.const_expr(self.accumulate) else token_rows,
                                    h, ring)
             rstd_ring = smem.allocate_tensor(Float32, cute.make_layout((threads, ring)), byte_alignment=16)
             fetches = cp_async_atoms()
             for j in cutlass.range_constexpr(ring - 1):
                 if lo + j < hi:
-                    self.fetch(fetches, m_go, m_x, m_rstd, m_table, ids_window, Int32(order_window[lo + j - base]),
+                    self.fetch(fetches, token_rows, m_rstd, m_table, ids_window, Int32(order_window[lo + j - base]),
                                lo + j - base, rows_ring, rstd_ring, j, tidx)
                 cute.arch.cp_async_commit_group()
         advance = threads - WINDOW_MARGIN
@@ -278,10 +290,15 @@ class EmbeddingRmsNormBackward:
                 rstd = rstd_ring[tidx, slot]
                 read_row(loads, (rows_ring[0][None, slot], rows_ring[1][None, slot]), (g, xs), tidx, threads, vpt,
                          vectors)
+                if cutlass.const_expr(m_res is not None):
+                    # `old` holds the residual branch's gradient until a table row is written
+                    read_row(loads, (rows_ring[2][None, slot],), (old,), tidx, threads, vpt, vectors)
             else:
                 token = Int32(order_window[p - base])
                 rstd = m_rstd[token]
                 read_row(loads, (m_go[token, None], m_x[token, None]), (g, xs), tidx, threads, vpt, vectors)
+                if cutlass.const_expr(m_res is not None):
+                    read_row(loads, (m_res[token, None],), (old,), tidx, threads, vpt, vectors)
             vid = ids_window[p - base]
             dot = Float32(0.0)
             for k in cutlass.range_constexpr(vpt):
@@ -291,6 +308,10 @@ class EmbeddingRmsNormBackward:
             scale = rstd * rstd * row_sum(dot, warp_sums, (p - lo) % 2, lane, warp, self.warps) * (1.0 / h)
             for k in cutlass.range_constexpr(vpt):
                 dx = rstd * (g[None, k].load() * norm_weight[None, k].load() - xs[None, k].load() * scale)
+                if cutlass.const_expr(m_res is not None):
+                    # the embedding's output feeds the norm and the residual branch; its scale
+                    # multiplies the table row's gradient (summed per token: the same sum)
+                    dx = (dx + old[None, k].load()) * embed_scale
                 segment[None, k].store(segment[None, k].load() + dx)
             ends = _segment_ends(ids_window, p - base)
             if ends == 1:
@@ -301,14 +322,14 @@ class EmbeddingRmsNormBackward:
                     row = m_table[Int32(vid), None]
                     old_row = row
                     if cutlass.const_expr(ring > 0 and self.accumulate):
-                        old_row = rows_ring[2][None, slot]
+                        old_row = rows_ring[len(token_rows)][None, slot]
                     _write_table_row(self.accumulate, loads[0], segment, old, row, tidx, threads, vpt, vectors,
                                      old_row)
                 segment.fill(0.0)
             if cutlass.const_expr(ring > 0):
                 # The slot refilled here held position p - 1, which this thread has already read.
                 if ahead < hi:
-                    self.fetch(fetches, m_go, m_x, m_rstd, m_table, ids_window, token_ahead, ahead - base,
+                    self.fetch(fetches, token_rows, m_rstd, m_table, ids_window, token_ahead, ahead - base,
                                rows_ring, rstd_ring, (ahead - lo) % ring, tidx)
                 cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per position
         if cutlass.const_expr(self.arch == "sm_100a"):
@@ -375,18 +396,18 @@ class EmbeddingRmsNormBackward:
             add_column_slices(m_part, m_wout, threads)
 
     @cute.jit
-    def fetch(self, fetches, m_go, m_x, m_rstd, m_table, ids, token, j, rows_ring, rstd_ring, slot, tidx):
+    def fetch(self, fetches, token_rows, m_rstd, m_table, ids, token, j, rows_ring, rstd_ring, slot, tidx):
         """cp.async the rows of the sorted position at `ids` index j into ring slot `slot`: this
-        thread's vectors of the token's grad_output and hidden_states rows, its own copy of the
-        token's rstd and, with accumulate, the table row of the position's id where it ends its
-        segment (read-add-write there)."""
-        fetch_row(fetches, (m_go[token, None], m_x[token, None]), rows_ring, slot, tidx, self.threads,
+        thread's vectors of the token's rows (`token_rows`: grad_output, hidden_states, ...), its
+        own copy of the token's rstd and, with accumulate, the table row of the position's id
+        where it ends its segment (read-add-write there)."""
+        fetch_row(fetches, tuple(t[token, None] for t in token_rows), rows_ring, slot, tidx, self.threads,
                   self.vectors_per_thread, self.hidden // VECTOR)
         cute.copy(fetches[2], element(m_rstd, token), element(rstd_ring[tidx, None], slot))
         if cutlass.const_expr(self.accumulate):
             if _segment_ends(ids, j) == 1:
-                fetch_row(fetches, (m_table[Int32(ids[j]), None],), rows_ring[2:], slot, tidx, self.threads,
-                          self.vectors_per_thread, self.hidden // VECTOR)
+                fetch_row(fetches, (m_table[Int32(ids[j]), None],), rows_ring[len(token_rows):], slot, tidx,
+                          self.threads, self.vectors_per_thread, self.hidden // VECTOR)
 
 
 def _occupancy(arch: str) -> dict:
@@ -435,12 +456,14 @@ def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tid
         store_row(atom, segment, row, tidx, threads, vpt, vectors)
 
 
-def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None):
-    """Compile-time stand-ins. batch/seq shared by the [b, s, ...] tensors, tokens by the
-    sorted ids and their order (or, with `ids_dtype`, by the raw ids, then followed by the
-    sorted-ids buffer, any length, and the error record), vocabulary and workspace rows free;
-    H static. norm_weight and grad_norm_weight in `norm_weight_dtype` (BFloat16 or Float32),
-    vector aligned."""
+def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None, model: bool = False):
+    """Compile-time stand-ins: (the arguments before the stream, those after it). batch/seq
+    shared by the [b, s, ...] tensors, tokens by the sorted ids and their order (or, with
+    `ids_dtype`, by the raw ids, then followed by the sorted-ids buffer, any length, and the
+    error record), vocabulary and workspace rows free; H static. norm_weight and
+    grad_norm_weight in `norm_weight_dtype` (BFloat16 or Float32), vector aligned. `model`:
+    hidden_states bf16, and after the stream the residual branch's gradient (bf16 rows) and the
+    embedding's scale."""
     batch, seq, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     vocab, workspace_rows = cute.sym_int32(), cute.sym_int32()
     rstd = fake_rstd(batch, seq)
@@ -458,22 +481,26 @@ def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None):
         index = (ids, sorted_ids, runtime.fake_tensor(Int64, (errors.WORDS,), (1,), 8))
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
-    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(Float32, batch, seq, hidden), rstd, norm_weight,
-            *index, table, grad_norm_weight, workspace, *radix, Int32(1), Int32(1), Int32(1), Int32(0), *marked)
+    x_dtype = BFloat16 if model else Float32
+    extras = (fake_rows(BFloat16, batch, seq, hidden), Float32(1.0)) if model else ()
+    return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(x_dtype, batch, seq, hidden), rstd, norm_weight,
+            *index, table, grad_norm_weight, workspace, *radix, Int32(1), Int32(1), Int32(1), Int32(0), *marked), extras
 
 
 def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir=None, ids_dtype=None,
-           early_fill=False):
+           early_fill=False, model=False):
     """`norm_weight_dtype` (BFloat16 or Float32): norm_weight's and grad_norm_weight's. Without
     `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's id dtype
-    (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `early_fill`:
-    EmbeddingRmsNormBackward's."""
+    (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `early_fill` and
+    `model`: EmbeddingRmsNormBackward's."""
     # accumulating with ids sorted on chip: one launch (the calls are small)
-    op = EmbeddingRmsNormBackward(hidden, accumulate, arch, early_fill, one_launch=ids_dtype is not None)
-    return runtime.compile_kernel(
-        ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype), early_fill),
-        op if ids_dtype is None else op.sort_on_chip, *_fake_args(hidden, norm_weight_dtype, ids_dtype),
-        runtime.env_stream(), arch=arch, dump_dir=dump_dir, tvm_ffi=True)
+    op = EmbeddingRmsNormBackward(hidden, accumulate, arch, early_fill, one_launch=ids_dtype is not None,
+                                  model=model)
+    args, extras = _fake_args(hidden, norm_weight_dtype, ids_dtype, model)
+    key = ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype), early_fill)
+    return runtime.compile_kernel(key + (("model form",) if model else ()),
+                                  op if ids_dtype is None else op.sort_on_chip, *args, runtime.env_stream(), *extras,
+                                  arch=arch, dump_dir=dump_dir, tvm_ffi=True)
 
 
 def _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size):
@@ -527,14 +554,14 @@ def _vector_bytes(norm_weight) -> int:
 
 
 class _Entry:
-    """What one (hidden size, accumulate, ids dtype, norm_weight dtype, device) needs per call,
-    resolved once. Each path's kernels are built on the path's first call (a call size uses two
-    to four of the builds)."""
+    """What one (hidden size, accumulate, ids dtype, norm_weight dtype, device, form) needs per
+    call, resolved once. Each path's kernels are built on the path's first call (a call size uses
+    two to four of the builds)."""
 
-    def __init__(self, hidden: int, accumulate: bool, ids_dtype, norm_weight_dtype, device):
+    def __init__(self, hidden: int, accumulate: bool, ids_dtype, norm_weight_dtype, device, model: bool = False):
         import torch
 
-        self.device, self.hidden, self.accumulate = device, hidden, accumulate
+        self.device, self.hidden, self.accumulate, self.model = device, hidden, accumulate, model
         self.norm_weight = runtime.cute_dtype(norm_weight_dtype)
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self.arch = runtime.device_arch(device.index)
@@ -546,17 +573,18 @@ class _Entry:
 
     @functools.cached_property
     def run(self):
-        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.norm_weight, self.arch))
+        return runtime.ffi_function(_build(self.hidden, self.accumulate, self.norm_weight, self.arch,
+                                           model=self.model))
 
     @functools.cached_property
     def run_early_fill(self):
         return runtime.ffi_function(_build(self.hidden, self.accumulate, self.norm_weight, self.arch,
-                                           early_fill=True))
+                                           early_fill=True, model=self.model))
 
     @functools.cached_property
     def run_sort_on_chip(self):
         return runtime.ffi_function(_build(self.hidden, self.accumulate, self.norm_weight, self.arch,
-                                           ids_dtype=self.ids))
+                                           ids_dtype=self.ids, model=self.model))
 
     @functools.cached_property
     def run_range_and_keys(self):
@@ -738,25 +766,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
             table.zero_()
         grad_norm_weight.zero_()
         return out
-    workspace, sorted_on_chip = entry.workspace.get()
-    ctas, grid, walker_rows = _split(tokens, vocab_size, entry.max_ctas, accumulate)
-    poison = int(own)
     try:
-        if tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB:
-            if not input_ids.is_contiguous():  # the kernel reads the [b, s] ids flat
-                input_ids = input_ids.contiguous()
-            entry.run_sort_on_chip(grad_output, hidden_states, rstd, norm_weight, input_ids, sorted_on_chip,
-                                   entry.record, table, grad_norm_weight, workspace, ctas, grid, walker_rows,
-                                   poison)
-        else:
-            sorted_ids, order, (marks, ranges, marked) = entry.sort(input_ids.reshape(tokens), vocab_size)
-            try:
-                (entry.run_early_fill if marked else entry.run)(
-                    grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
-                    workspace, marks, ranges, ctas, grid, walker_rows, poison, marked)
-            except Exception:
-                marks.zero_()  # the sort marked them and no fix-up will: clean for the next call
-                raise
+        _launch(entry, tokens, grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, table,
+                grad_norm_weight, int(own))
     except Exception:
         # The C-side checks rejected an argument; say which one and why in our own words.
         _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size)
@@ -766,6 +778,64 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
         torch.cuda.current_stream(entry.device).synchronize()
         errors.raise_pending(entry.device.index)
     return out
+
+
+def _launch(entry, tokens: int, grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size: int, table,
+            grad_norm_weight, poison: int, model=(None, None)):
+    """The index pass where the call's size needs one, then the row kernel's FFI call (with the
+    fix-up); `model`: the model form's (residual_grad, embed_scale)."""
+    workspace, sorted_on_chip = entry.workspace.get()
+    ctas, grid, walker_rows = _split(tokens, vocab_size, entry.max_ctas, entry.accumulate)
+    if tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB:
+        if not input_ids.is_contiguous():  # the kernel reads the [b, s] ids flat
+            input_ids = input_ids.contiguous()
+        entry.run_sort_on_chip(grad_output, hidden_states, rstd, norm_weight, input_ids, sorted_on_chip,
+                               entry.record, table, grad_norm_weight, workspace, ctas, grid, walker_rows, poison,
+                               *model)
+    else:
+        sorted_ids, order, (marks, ranges, marked) = entry.sort(input_ids.reshape(tokens), vocab_size)
+        try:
+            (entry.run_early_fill if marked else entry.run)(
+                grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, table, grad_norm_weight,
+                workspace, marks, ranges, ctas, grid, walker_rows, poison, marked, *model)
+        except Exception:
+            marks.zero_()  # the sort marked them and no fix-up will: clean for the next call
+            raise
+
+
+_model_entries: dict = {}  # (hidden, accumulate, ids dtype, device index) -> _Entry of the model form
+
+
+def embedding_norm_backward(grad_normed, input_ids, embeds, rstd, norm_weight, residual_grad, embed_scale: float,
+                            table, grad_norm_weight, *, accumulate: bool, poison: bool):
+    """A model's embedding lookup and first RMSNorm, backward (kernels/modules.py's
+    EmbeddingNorm): embeds = embed_scale * table rows, the norm reads embeds and the residual
+    branch carries them on, so (w = norm_weight, the weight the norm multiplies by: Gemma's 1 + w)
+
+        dx_t = rstd_t * (g_t * w - x_t * rstd_t^2 * sum_j(g_tj w_j x_tj) / H)   (g = grad_normed, x = embeds)
+        table[v] = bf16([table[v] +] embed_scale * sum over tokens t with id v of (dx_t + residual_grad_t))
+        grad_norm_weight = sum over tokens of g_t * x_t * rstd_t
+
+    in fp32, each table row rounded once, bitwise repeatable, as embedding_rmsnorm_backward.
+    grad_normed, embeds, residual_grad bf16 [b, s, H]; input_ids int64 or int32 [b, s]; rstd fp32
+    [b, s, 1]; norm_weight and grad_norm_weight fp32 [H]; table bf16 [V, H]. The caller checks
+    dtypes and shapes; the C entry point checks them again with strides and alignment. Ids outside
+    [0, V) are caught on the device and reported at a later call (check_ids="deferred"): then
+    nothing is written, or, with `poison` (outputs the caller made for this call), NaN."""
+    key = (embeds.shape[-1], bool(accumulate), input_ids.dtype, embeds.get_device())
+    entry = _model_entries.get(key)
+    if entry is None:
+        entry = _model_entries[key] = _Entry(key[0], key[1], input_ids.dtype, norm_weight.dtype, embeds.device,
+                                             model=True)
+    errors.raise_pending(entry.device.index)
+    tokens = input_ids.numel()
+    if tokens == 0:
+        if not accumulate:
+            table.zero_()
+        grad_norm_weight.zero_()
+        return
+    _launch(entry, tokens, grad_normed, input_ids, embeds, rstd, norm_weight, table.shape[0], table,
+            grad_norm_weight, int(poison), (residual_grad, float(embed_scale)))
 
 
 # The benchmark's calls (bf16 norm_weight, a fresh table: ids sorted on chip up to
@@ -778,6 +848,8 @@ _AUDITED = {  # name: (norm_weight dtype, accumulate, other build options)
     "norm_weight bf16,accumulate": (BFloat16, True, {}),
     "norm_weight bf16,accumulate,ids sorted on chip,one launch": (BFloat16, True, {"ids_dtype": Int64}),
     "norm_weight fp32,fresh": (Float32, False, {}),
+    "model form,fresh,ids sorted on chip": (Float32, False, {"ids_dtype": Int64, "model": True}),
+    "model form,accumulate": (Float32, True, {"model": True}),
 }
 AUDIT_BUILDS = {
     f"embedding_rmsnorm_backward[H=4096,{name}]":

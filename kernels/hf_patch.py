@@ -18,6 +18,11 @@ What is swapped, by model family:
   eager attention (the backward reads the attention probabilities), without dropout, biases or
   an activation other than silu; calls without gradients or with a filled or static KV cache
   run the layer's own forward.
+- Every family, where the first decoder layer's input norm is routed as above: the token
+  embedding and that norm run as one embedding_norm.embedding_norm (the embedding forward
+  computes the norm too and hands it to the norm), whose backward writes the table's gradient
+  with the embedding backward's model form, into the weight's gradient in place where one
+  exists.
 All need bf16 parameters.
 
 How: the attention's own forward still runs. Its q_proj computes the fused Q, K and V for the
@@ -35,6 +40,7 @@ import types
 
 import torch
 
+from .embedding_norm import embedding_norm
 from .modules import GemmaQKVNorm, rms_norm
 
 # RMSNorm classes by family, and whether they scale by 1 + w
@@ -97,9 +103,16 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     for name, attention, fused in fused_layers:
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
+    embeddings = [(name, m) for name, m in model.named_modules() if _first_norm(m) is not None]
+    embeddings = [(name, m) for name, m in embeddings if id(_first_norm(m)) in {id(n) for _, n in norms}]
+    for name, text_model in embeddings:
+        _check_embedding(f"{name}.embed_tokens" if name else "embed_tokens", text_model.embed_tokens)
     for name, norm in norms:
         _route_norm(norm, NORMS[type(norm).__name__], result)
         result.replaced.append(name)
+    for name, text_model in embeddings:
+        _route_embedding(text_model, result)
+        result.replaced.append(f"{name}.embed_tokens" if name else "embed_tokens")
     for name, layer in layers if decoder_layers else ():
         _route_whole_layer(layer, result)
         result.replaced.append(name)
@@ -184,6 +197,51 @@ def _route_norm(norm, one_plus: bool, result: Patch):
 
     norm.forward = types.MethodType(forward, norm)
     result._restore.append(norm)
+
+
+def _first_norm(text_model):
+    """The first decoder layer's input norm of a text model (embed_tokens, then layers), else None."""
+    embed, layers = getattr(text_model, "embed_tokens", None), getattr(text_model, "layers", None)
+    if not isinstance(embed, torch.nn.Embedding) or not layers:
+        return None
+    norm = getattr(layers[0], "input_layernorm", None)
+    return norm if type(norm).__name__ in NORMS else None
+
+
+def _check_embedding(name: str, embed):
+    if embed.weight.dtype != torch.bfloat16:
+        raise ValueError(f"cutebwd.patch: {name}: the kernels take bf16 parameters, got {embed.weight.dtype}")
+    if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
+        raise ValueError(f"cutebwd.patch: {name}: max_norm, scale_grad_by_freq and sparse gradients are not "
+                         f"supported")
+
+
+def _route_embedding(text_model, result: Patch):
+    """embed_tokens and the first layer's input norm, bound on the instances: the embedding's
+    forward runs embedding_norm and hands the normed rows to the norm, which returns them when
+    it is called on those embeddings (else it runs as _route_norm's)."""
+    embed, norm = text_model.embed_tokens, _first_norm(text_model)
+    one_plus = NORMS[type(norm).__name__]
+    eps = norm.eps if one_plus else norm.variance_epsilon
+    scale = getattr(embed, "embed_scale", None)  # Gemma3's scaled embedding
+    scale = None if scale is None else float(scale)
+    handed = {}
+
+    def embed_forward(self, input_ids):
+        embeds, normed = embedding_norm(input_ids, self.weight, norm.weight, eps, one_plus, scale, self.padding_idx)
+        handed.update(embeds=embeds, normed=normed)
+        return embeds
+
+    def norm_forward(self, hidden_states):
+        if handed.get("embeds") is hidden_states:
+            normed = handed["normed"]
+            handed.clear()  # hold no activation past the forward
+            return normed
+        return rms_norm(hidden_states, self.weight, eps, one_plus)
+
+    embed.forward = types.MethodType(embed_forward, embed)
+    norm.forward = types.MethodType(norm_forward, norm)  # undone with _route_norm's
+    result._restore.append(embed)
 
 
 def _gemma_qkv_norm(name: str, attention) -> GemmaQKVNorm | str:

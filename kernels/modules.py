@@ -109,13 +109,7 @@ class GemmaQKVNorm(torch.nn.Module):
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, one_plus):
-        # transformers' own sequence of operations, so the output is bitwise the model's
-        x32 = x.to(torch.float32)
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        if one_plus:
-            out = (x32 * rstd * (1.0 + weight.float())).type_as(x)
-        else:
-            out = weight * (x32 * rstd).to(x.dtype)
+        out, rstd = rms_norm_forward(x, weight, eps, one_plus)
         ctx.save_for_backward(x, rstd, weight)
         ctx.one_plus = one_plus
         return out
@@ -131,6 +125,16 @@ class _RMSNormFunction(torch.autograd.Function):
         else:
             grad_x, grad_weight = _rmsnorm_backward_reference(*rows, scale)
         return grad_x.view(x.shape), grad_weight.to(weight.dtype), None, None
+
+
+def rms_norm_forward(x, weight, eps: float, one_plus: bool):
+    """(out, rstd fp32 [..., 1]) of a model's RMSNorm in transformers' own sequence of operations,
+    so the output is bitwise the model's."""
+    x32 = x.to(torch.float32)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if one_plus:
+        return (x32 * rstd * (1.0 + weight.float())).type_as(x), rstd
+    return weight * (x32 * rstd).to(x.dtype), rstd
 
 
 def _kernel_reads(x, grad) -> bool:

@@ -89,6 +89,25 @@ def _(grad_output, input_ids, hidden_states, rstd, norm_weight, grad_embed_weigh
     return None
 
 
+@torch.library.custom_op(f"{_LIBRARY}::embedding_norm_backward", mutates_args=())
+def embedding_norm_backward(grad_normed: torch.Tensor, input_ids: torch.Tensor, embeds: torch.Tensor,
+                            rstd: torch.Tensor, norm_weight: torch.Tensor, grad_embeds: torch.Tensor,
+                            embed_scale: float, vocab: int, padding_idx: Optional[int] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's embedding and first RMSNorm, backward, a fresh table -> (the table's gradient
+    bf16, the norm weight's gradient fp32); see kernels/embedding_norm.py."""
+    from .embedding_norm import fresh_table_gradient
+
+    return fresh_table_gradient(grad_normed, input_ids, embeds, rstd, norm_weight, grad_embeds, embed_scale, vocab,
+                                padding_idx)
+
+
+@embedding_norm_backward.register_fake
+def _(grad_normed, input_ids, embeds, rstd, norm_weight, grad_embeds, embed_scale, vocab, padding_idx=None):
+    hidden = embeds.shape[-1]
+    return embeds.new_empty((vocab, hidden)), norm_weight.new_empty((hidden,))
+
+
 @torch.library.custom_op(f"{_LIBRARY}::qkv_qknorm_backward", mutates_args=())
 def qkv_qknorm_backward(grad_query: torch.Tensor, grad_key: torch.Tensor, grad_value: torch.Tensor,
                         hidden_states: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

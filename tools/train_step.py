@@ -5,11 +5,13 @@ a one-layer text model fed input embeddings (the layer, its rotary tables and th
 bf16 random weights at a real model's widths: ms a step, ms of its backward alone (CUDA
 events around each backward call), and tokens per second in the JSON.
 
-    python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--decoder-layers]
-                                       [--json FILE]
+    python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--input-ids]
+                                       [--decoder-layers] [--json FILE]
 
 Models: the widths of Gemma-3-270m and Gemma-3-1B (fused Q/K/V with Q/K norms, and the other
 norms), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder (their norms).
+--input-ids: token ids in, through the embedding at the model's real vocabulary, so the step
+times the embedding and first norm's backward as well (patched: embedding_norm).
 --decoder-layers: Mistral's layer whole (patch(model, decoder_layers=True)), which needs eager
 attention: every variant then runs eager attention, and the unpatched model with transformers'
 default (sdpa) attention is timed beside them. Needs a CUDA GPU and transformers (the `hf` extra).
@@ -21,6 +23,7 @@ import copy
 import sys
 
 # Real models' widths (their configs on the Hugging Face hub).
+VOCAB = {"gemma3-270m": 262144, "gemma3-1b": 262144, "qwen3-4b": 151936, "mistral-small-24b": 131072}
 MODELS = {
     "gemma3-270m": ("Gemma3Text", {"hidden_size": 640, "intermediate_size": 2048, "num_attention_heads": 4,
                                    "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256}),
@@ -33,14 +36,14 @@ MODELS = {
 }
 
 
-def one_layer(family: str, widths: dict, attention: str = "sdpa"):
+def one_layer(family: str, widths: dict, attention: str = "sdpa", vocab: int = 256):
     """A one-layer text model of `family` at `widths`, bf16 on the GPU, with `attention`
     (transformers' default: sdpa), norm weights drawn around their family's start (trained ones
     have moved off it)."""
     import torch
     import transformers
 
-    config = getattr(transformers, f"{family}Config")(num_hidden_layers=1, vocab_size=256,
+    config = getattr(transformers, f"{family}Config")(num_hidden_layers=1, vocab_size=vocab,
                                                       attn_implementation=attention, **widths)
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}Model")(config).to("cuda", torch.bfloat16)
@@ -51,7 +54,7 @@ def one_layer(family: str, widths: dict, attention: str = "sdpa"):
     return model
 
 
-def step_ms(model, batch: int, seq: int, backward_calls: int = 20) -> tuple[float, float]:
+def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bool = False) -> tuple[float, float]:
     """(milliseconds a forward + backward of `model` on random input embeddings, milliseconds
     of the backward alone: the median over `backward_calls` steps of CUDA events around the
     backward call, host time included). Each backward has its own forward: a graph run
@@ -63,16 +66,20 @@ def step_ms(model, batch: int, seq: int, backward_calls: int = 20) -> tuple[floa
     from cutebwd.tools.timing import time_ms
 
     hidden = model.config.hidden_size
-    embeds = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    if input_ids:
+        inputs = {"input_ids": torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")}
+    else:
+        inputs = {"inputs_embeds": torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16,
+                                               requires_grad=True)}
     upstream = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16)
 
-    def step(x):
-        model(inputs_embeds=x).last_hidden_state.backward(upstream)
+    def step():
+        model(**inputs).last_hidden_state.backward(upstream)
 
-    ms = time_ms(step, [(embeds,)], budget_ms=200, repeats=5)  # warms up as well
+    ms = time_ms(step, [()], budget_ms=200, repeats=5)  # warms up as well
     events = []
     for _ in range(backward_calls):
-        out = model(inputs_embeds=embeds).last_hidden_state
+        out = model(**inputs).last_hidden_state
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out.backward(upstream)
@@ -87,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: all")
     parser.add_argument("--seq", action="append", type=int, help="sequence lengths (default: 512, 2048)")
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--input-ids", action="store_true",
+                        help="token ids through the embedding at the model's real vocabulary (module docstring)")
     parser.add_argument("--decoder-layers", action="store_true",
                         help="Mistral's decoder layer whole, eager attention (module docstring)")
     parser.add_argument("--json", help="where to write the rows")
@@ -112,7 +121,8 @@ def main(argv=None) -> int:
     for name in names:
         family, widths = MODELS[name]
         torch._dynamo.reset()  # no cache entries of the model before
-        eager = one_layer(family, widths, "eager" if args.decoder_layers else "sdpa")
+        vocab = VOCAB[name] if args.input_ids else 256
+        eager = one_layer(family, widths, "eager" if args.decoder_layers else "sdpa", vocab)
         compiled = torch.compile(copy.deepcopy(eager))
         patched = copy.deepcopy(eager)
         cutebwd.patch(patched, decoder_layers=args.decoder_layers)
@@ -122,13 +132,13 @@ def main(argv=None) -> int:
         variants = (("eager", eager), ("torch.compile", compiled), ("cutebwd.patch", patched),
                     ("cutebwd.patch + torch.compile", patched_compiled))
         if args.decoder_layers:
-            variants = (("eager, sdpa attention", one_layer(family, widths)),) + variants
+            variants = (("eager, sdpa attention", one_layer(family, widths, vocab=vocab)),) + variants
         for seq in args.seq or [512, 2048]:
             tokens = args.batch * seq
-            row = {"model": name, "batch": args.batch, "seq": seq}
+            row = {"model": name, "batch": args.batch, "seq": seq, "input_ids": args.input_ids}
             for label, model in variants:
                 progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}")
-                ms, backward_ms = step_ms(model, args.batch, seq)
+                ms, backward_ms = step_ms(model, args.batch, seq, input_ids=args.input_ids)
                 row[label] = {"ms": ms, "backward_ms": backward_ms, "tokens_per_s": tokens / (ms * 1e-3)}
             rows.append(row)
             print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(

@@ -1,0 +1,110 @@
+"""embedding_norm: a model's embedding lookup and first RMSNorm as one autograd function. Its
+forward is transformers' arithmetic (bitwise); its backward, against float64 autograd of the same
+forward: on CPU the kernels' PyTorch reference, on the GPU the embedding backward's model form."""
+import pytest
+import torch
+
+from cutebwd.kernels.embedding_norm import embedding_norm
+
+
+def _inputs(device, vocab=97, hidden=64, batch=2, seq=9, seed=0, repeats=True):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=g).to(device, torch.bfloat16).requires_grad_()
+    norm_weight = (1 + 0.3 * torch.randn(hidden, generator=g)).to(device, torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, 8 if repeats else vocab, (batch, seq), generator=g).to(device)
+    grads = [torch.randn(batch, seq, hidden, generator=g).to(device, torch.bfloat16) for _ in range(2)]
+    return ids, weight, norm_weight, grads
+
+
+def _unfused(ids, weight, norm_weight, eps, one_plus, embed_scale):
+    """transformers' modules, as the model runs them (Gemma3's scaled embedding, the norms)."""
+    embeds = torch.nn.functional.embedding(ids, weight)
+    if embed_scale is not None:
+        embeds = embeds * torch.tensor(embed_scale, dtype=weight.dtype, device=weight.device)
+    x32 = embeds.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if one_plus:
+        return embeds, (x32 * (1.0 + norm_weight.float())).type_as(embeds)
+    return embeds, norm_weight * x32.to(embeds.dtype)
+
+
+def _gradients(fn, ids, weight, norm_weight, grads, dtype=None, **options):
+    w, nw = (t.detach().to(dtype or t.dtype).requires_grad_() for t in (weight, norm_weight))
+    embeds, normed = fn(ids, w, nw, 1e-6, **options)
+    torch.autograd.backward((embeds, normed), [g.to(embeds.dtype) for g in grads])
+    return w.grad.float(), nw.grad.float()
+
+
+FORMS = [{"one_plus": False, "embed_scale": None}, {"one_plus": True, "embed_scale": 64 ** 0.5}]
+
+
+@pytest.mark.parametrize("options", FORMS)
+def test_forward_is_transformers_arithmetic(options):
+    ids, weight, norm_weight, _ = _inputs("cpu")
+    got = embedding_norm(ids, weight, norm_weight, 1e-6, **options)
+    want = _unfused(ids, weight, norm_weight, 1e-6, **options)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _check_against_float64(device, options, **inputs):
+    ids, weight, norm_weight, grads = _inputs(device, **inputs)
+    exact = _gradients(_unfused, ids, weight, norm_weight, grads, dtype=torch.float64, **options)
+    bf16 = _gradients(_unfused, ids, weight, norm_weight, grads, **options)
+    ours = _gradients(embedding_norm, ids, weight, norm_weight, grads, **options)
+    for name, want, theirs, got in zip(("table", "norm weight"), exact, bf16, ours):
+        error = ((got.double() - want).norm() / want.norm()).item()
+        their_error = ((theirs.double() - want).norm() / want.norm()).item()
+        assert error <= 2 * their_error + 1e-5, (name, error, their_error)
+
+
+@pytest.mark.parametrize("options", FORMS)
+def test_backward_on_cpu_against_float64(options):
+    _check_against_float64("cpu", options)
+
+
+@pytest.mark.parametrize("options", FORMS)
+def test_accumulates_into_an_existing_gradient(options):
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        ids, weight, norm_weight, grads = _inputs(device)
+        before = torch.randn(weight.shape).to(device, torch.bfloat16)
+        weight.grad = before.clone()
+        embeds, normed = embedding_norm(ids, weight, norm_weight, 1e-6, **options)
+        torch.autograd.backward((embeds, normed), grads)
+        fresh = _gradients(embedding_norm, ids, weight, norm_weight, grads, **options)[0]
+        untouched = torch.ones(weight.shape[0], dtype=torch.bool, device=device)
+        untouched[ids.reshape(-1)] = False
+        assert torch.equal(weight.grad[untouched], before[untouched])
+        touched = ~untouched
+        torch.testing.assert_close(weight.grad[touched].float(), before[touched].float() + fresh[touched],
+                                   rtol=0.01, atol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", FORMS)
+@pytest.mark.parametrize("batch,seq,repeats", [(2, 9, True), (4, 512, False), (2, 1500, True)])
+def test_backward_on_the_gpu_against_float64(options, batch, seq, repeats):
+    _check_against_float64("cuda", options, hidden=4096 if seq > 9 else 64, vocab=65536 if seq > 9 else 97,
+                           batch=batch, seq=seq, repeats=repeats)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_the_reference_arithmetic():
+    ids, weight, norm_weight, grads = _inputs("cuda", hidden=256, batch=4, seq=300)
+    on_gpu = _gradients(embedding_norm, ids, weight, norm_weight, grads, one_plus=True, embed_scale=16.0)
+    on_cpu = _gradients(embedding_norm, ids.cpu(), weight.cpu(), norm_weight.cpu(), [g.cpu() for g in grads],
+                        one_plus=True, embed_scale=16.0)
+    for got, want in zip(on_gpu, on_cpu):
+        torch.testing.assert_close(got.cpu(), want, rtol=0.01, atol=1e-2)
+
+
+def test_padding_row_gets_no_gradient():
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        ids, weight, norm_weight, grads = _inputs(device)
+        padding = int(ids[0, 0])
+        embeds, normed = embedding_norm(ids, weight, norm_weight, 1e-6, padding_idx=padding)
+        torch.autograd.backward((embeds, normed), grads)
+        assert not weight.grad[padding].any() and weight.grad.any()
+        before = weight.grad.clone()
+        embeds, normed = embedding_norm(ids, weight, norm_weight, 1e-6, padding_idx=padding)
+        torch.autograd.backward((embeds, normed), grads)  # into the gradient there: the padding row kept
+        assert torch.equal(weight.grad[padding], before[padding]) and not torch.equal(weight.grad, before)
