@@ -33,7 +33,7 @@ class _EmbeddingNormFunction(torch.autograd.Function):
         # transformers' own sequence of operations, so the outputs are bitwise the model's
         # transformers multiplies by the scale as a tensor of the weight's dtype: the same
         # product as a Python number rounded to that dtype, which needs no host-to-device copy
-        scale = 1.0 if embed_scale is None else float(torch.tensor(embed_scale, dtype=weight.dtype))
+        scale = 1.0 if embed_scale is None else _rounded(embed_scale, weight.dtype)
         embeds = torch.nn.functional.embedding(input_ids, weight)
         if embed_scale is not None:
             embeds = embeds * scale
@@ -60,6 +60,12 @@ class _EmbeddingNormFunction(torch.autograd.Function):
             table, grad_norm_weight = torch.ops.cutebwd.embedding_norm_backward(*rows, weight.shape[0],
                                                                                 ctx.padding_idx)
         return None, table, grad_norm_weight.to(norm_weight.dtype), None, None, None, None
+
+
+@torch.compiler.assume_constant_result  # a number, not a tensor, in a compiled graph
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as a Python number."""
+    return float(torch.tensor(value, dtype=dtype))
 
 
 def fresh_table_gradient(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float, vocab: int,
