@@ -239,6 +239,18 @@ def test_patched_model_compiles_whole_on_cpu():
     _check_compiled_step("cpu", "aot_eager")
 
 
+@pytest.mark.parametrize("make_model", [_gemma3, _qwen3, _mistral])
+def test_patched_model_traces_without_graph_breaks(make_model):
+    """dynamo traces a patched model's forward as one graph (the embedding's scale, the
+    norms' handoff and the fused layers included)."""
+    torch._dynamo.reset()
+    model = make_model().to(torch.bfloat16)
+    cutebwd.patch(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids, use_cache=False)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+
+
 def test_patched_whole_layers_compile_whole_on_cpu():
     _check_compiled_step("cpu", "aot_eager", _mistral, {"decoder_layers": True}, **WHOLE_LAYER_DIMS)
 
