@@ -21,6 +21,10 @@ import, and `cutebwd.references` needs none of it):
                                                   a Llama / Mistral decoder layer as one autograd
                                                   function (transformers' eager forward), the decoder
                                                   layer backward as its backward; weights a LayerWeights
+    cutebwd.embedding_norm(input_ids, weight, norm_weight, eps, one_plus=False, embed_scale=None, padding_idx=None)
+                                                  a model's token embedding and first RMSNorm as one
+                                                  autograd function, 087's row kernel (model form) as
+                                                  its backward
     cutebwd.patch(model, decoder_layers=False)    a transformers model's layers onto these backwards,
                                                   in place (kernels/hf_patch.py: Gemma3, Qwen3, Mistral,
                                                   Llama)
@@ -52,6 +56,7 @@ _OPS = {
     "GemmaQKVNorm": "cutebwd.kernels.modules",
     "decoder_layer": "cutebwd.kernels.decoder_module",
     "LayerWeights": "cutebwd.kernels.decoder_module",
+    "embedding_norm": "cutebwd.kernels.embedding_norm",
     "patch": "cutebwd.kernels.hf_patch",
     "check_errors": "cutebwd.kernels.errors",
 }
