@@ -12,9 +12,10 @@ embedding backward's model form (embedding_backward.embedding_norm_backward).
 The table's gradient: where `weight.grad` already holds one (gradient accumulation over micro
 batches, or a tied output projection whose gradient came first) the backward adds into it in
 place (accumulate=True: only the rows the ids name are read and written) and hands autograd
-nothing for the table; otherwise it writes a fresh table and hands that to autograd. Hooks that
-autograd runs as it accumulates a parameter's gradient (DistributedDataParallel's) do not see
-an in-place addition. Under torch.compile (which traces the backward) it is never in place: the
+nothing for the table; otherwise it writes a fresh table and hands that to autograd. Autograd
+still runs the parameter's accumulation node then, with nothing to add, so the hooks on it
+(post-accumulate hooks, DistributedDataParallel's reducer) run and read the summed gradient.
+Under torch.compile (which traces the backward) it is never in place: the
 fresh table comes from torch.ops.cutebwd.embedding_norm_backward. On CPU tensors and shapes the
 kernels do not take, the backward is the same arithmetic in PyTorch.
 """

@@ -79,6 +79,21 @@ def test_accumulates_into_an_existing_gradient(options):
                                    rtol=0.01, atol=0.05)
 
 
+def test_accumulation_hooks_see_the_sum():
+    """Adding into an existing gradient in place, the hooks autograd runs as it accumulates the
+    table's gradient (DistributedDataParallel's reducer is one) still run, once, after the
+    addition."""
+    ids, weight, norm_weight, grads = _inputs("cpu")
+    before = torch.randn(weight.shape).to(torch.bfloat16)
+    weight.grad = before.clone()
+    seen = []
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    torch.autograd.backward(embedding_norm(ids, weight, norm_weight, 1e-6), grads)
+    fresh = _gradients(embedding_norm, ids, weight, norm_weight, grads)[0]
+    assert len(seen) == 1 and torch.equal(seen[0], weight.grad)
+    torch.testing.assert_close(weight.grad.float(), before.float() + fresh, rtol=0.01, atol=0.05)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", FORMS)
 @pytest.mark.parametrize("batch,seq,repeats", [(2, 9, True), (4, 512, False), (2, 1500, True)])
