@@ -123,3 +123,39 @@ def test_padding_row_gets_no_gradient():
         embeds, normed = embedding_norm(ids, weight, norm_weight, 1e-6, padding_idx=padding)
         torch.autograd.backward((embeds, normed), grads)  # into the gradient there: the padding row kept
         assert torch.equal(weight.grad[padding], before[padding]) and not torch.equal(weight.grad, before)
+
+
+def test_distributed_data_parallel_reduces_the_summed_table(tmp_path):
+    """Under DistributedDataParallel (one gloo process), micro-batches under no_sync and a last
+    synchronizing one give the same model's gradients without it, bitwise: the reducer reads the
+    table's gradient after the in-place additions (a stale read would be copied back over it)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch build has no gloo backend")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            _, weight, norm_weight, _ = _inputs("cpu")
+            self.weight, self.norm_weight = (torch.nn.Parameter(t.detach()) for t in (weight, norm_weight))
+
+        def forward(self, ids):
+            embeds, normed = embedding_norm(ids, self.weight, self.norm_weight, 1e-6)
+            return (0.5 * embeds.float() + normed.float()).pow(2).sum()
+
+    batches = [_inputs("cpu", seed=seed)[0] for seed in range(3)]
+    plain, model = Model(), Model()
+    for ids in batches:
+        plain(ids).backward()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        with wrapped.no_sync():
+            for ids in batches[:2]:
+                wrapped(ids).backward()
+        wrapped(batches[2]).backward()
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(model.weight.grad, plain.weight.grad)
+    assert torch.equal(model.norm_weight.grad, plain.norm_weight.grad)
