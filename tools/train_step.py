@@ -6,12 +6,14 @@ bf16 random weights at a real model's widths: ms a step, ms of its backward alon
 events around each backward call), and tokens per second in the JSON.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--input-ids]
-                                       [--decoder-layers] [--json FILE]
+                                       [--decoder-layers] [--profile] [--json FILE]
 
 Models: the widths of Gemma-3-270m and Gemma-3-1B (fused Q/K/V with Q/K norms, and the other
 norms), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder (their norms).
 --input-ids: token ids in, through the embedding at the model's real vocabulary, so the step
 times the embedding and first norm's backward as well (patched: embedding_norm).
+--profile: each variant's backward also under torch.profiler: GPU kernel time and launches a
+backward, against its wall time (what the host adds), and the kernels that take the most.
 --decoder-layers: Mistral's layer whole (patch(model, decoder_layers=True)), which needs eager
 attention: every variant then runs eager attention, and the unpatched model with transformers'
 default (sdpa) attention is timed beside them. Needs a CUDA GPU and transformers (the `hf` extra).
@@ -65,13 +67,8 @@ def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bo
 
     from cutebwd.tools.timing import time_ms
 
-    hidden = model.config.hidden_size
-    if input_ids:
-        inputs = {"input_ids": torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")}
-    else:
-        inputs = {"inputs_embeds": torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16,
-                                               requires_grad=True)}
-    upstream = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16)
+    inputs = _inputs(model, batch, seq, input_ids)
+    upstream = torch.randn(batch, seq, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
 
     def step():
         model(**inputs).last_hidden_state.backward(upstream)
@@ -89,6 +86,44 @@ def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bo
     return ms, statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def backward_kernels(model, batch: int, seq: int, input_ids: bool = False, calls: int = 5, top: int = 6) -> dict:
+    """Where one backward's GPU time goes, from torch.profiler over `calls` backward calls: GPU
+    kernel ms and launches a backward, and the `top` kernels by GPU time (name, ms a backward,
+    launches a backward)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = _inputs(model, batch, seq, input_ids)
+    upstream = torch.randn(batch, seq, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    outs = [model(**inputs).last_hidden_state for _ in range(calls)]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for out in outs:
+            out.backward(upstream)
+        torch.cuda.synchronize()
+    kernels = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name][0] += event.device_time_total / 1e3 / calls
+            kernels[event.name][1] += 1
+    ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
+    return {"gpu_ms": sum(ms for ms, _ in kernels.values()),
+            "launches": sum(n for _, n in kernels.values()) / calls,
+            "top": [(name, ms, n / calls) for name, (ms, n) in ranked[:top]]}
+
+
+def _inputs(model, batch: int, seq: int, input_ids: bool) -> dict:
+    """The model's inputs: token ids or random input embeddings (with a gradient)."""
+    import torch
+
+    if input_ids:
+        return {"input_ids": torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")}
+    return {"inputs_embeds": torch.randn(batch, seq, model.config.hidden_size, device="cuda", dtype=torch.bfloat16,
+                                         requires_grad=True)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.train_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: all")
@@ -98,6 +133,8 @@ def main(argv=None) -> int:
                         help="token ids through the embedding at the model's real vocabulary (module docstring)")
     parser.add_argument("--decoder-layers", action="store_true",
                         help="Mistral's decoder layer whole, eager attention (module docstring)")
+    parser.add_argument("--profile", action="store_true",
+                        help="each backward's GPU kernels as well (module docstring)")
     parser.add_argument("--json", help="where to write the rows")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     sys.argv = sys.argv[:1]  # the DSL reads the command line when it is imported: show it none of ours
@@ -140,6 +177,11 @@ def main(argv=None) -> int:
                 progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}")
                 ms, backward_ms = step_ms(model, args.batch, seq, input_ids=args.input_ids)
                 row[label] = {"ms": ms, "backward_ms": backward_ms, "tokens_per_s": tokens / (ms * 1e-3)}
+                if args.profile:
+                    row[label]["kernels"] = kernels = backward_kernels(model, args.batch, seq, args.input_ids)
+                    print(f"  {label}: backward {backward_ms:.3f} ms, GPU kernels {kernels['gpu_ms']:.3f} ms in "
+                          f"{kernels['launches']:.0f} launches; most: " + "; ".join(
+                              f"{name[:60]} {ms:.3f} ms x{n:.0f}" for name, ms, n in kernels["top"]), flush=True)
             rows.append(row)
             print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(
                 f"{label} {row[label]['ms']:7.3f} ms, backward {row[label]['backward_ms']:7.3f}"
