@@ -11,7 +11,10 @@ events around each backward call), and tokens per second in the JSON.
 Models: the widths of Gemma-3-270m and Gemma-3-1B (fused Q/K/V with Q/K norms, and the other
 norms), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder (their norms).
 --input-ids: token ids in, through the embedding at the model's real vocabulary, so the step
-times the embedding and first norm's backward as well (patched: embedding_norm).
+times the embedding and first norm's backward as well (patched: embedding_norm). Gradients are
+not zeroed between steps, so every timed step adds into existing ones (gradient accumulation):
+the patched embedding adds into the table's gradient in place, touching only the ids' rows,
+where the unpatched model adds a whole dense table.
 --profile: each variant's backward also under torch.profiler: GPU kernel time and launches a
 backward, against its wall time (what the host adds), and the kernels that take the most.
 --decoder-layers: Mistral's layer whole (patch(model, decoder_layers=True)), which needs eager
