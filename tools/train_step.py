@@ -6,15 +6,16 @@ bf16 random weights at a real model's widths: ms a step, ms of its backward alon
 events around each backward call), and tokens per second in the JSON.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--input-ids]
-                                       [--decoder-layers] [--profile] [--json FILE]
+                                       [--decoder-layers] [--zero-grad] [--profile] [--json FILE]
 
 Models: the widths of Gemma-3-270m and Gemma-3-1B (fused Q/K/V with Q/K norms, and the other
 norms), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder (their norms).
 --input-ids: token ids in, through the embedding at the model's real vocabulary, so the step
-times the embedding and first norm's backward as well (patched: embedding_norm). Gradients are
-not zeroed between steps, so every timed step adds into existing ones (gradient accumulation):
-the patched embedding adds into the table's gradient in place, touching only the ids' rows,
-where the unpatched model adds a whole dense table.
+times the embedding and first norm's backward as well (patched: embedding_norm). Without
+--zero-grad every timed step adds into the gradients of the steps before (gradient
+accumulation): the patched embedding adds into the table's gradient in place, touching only the
+ids' rows, where the unpatched model adds a whole dense table. --zero-grad sets them to None
+before each step (a first micro-batch: both write a fresh table).
 --profile: each variant's backward also under torch.profiler: GPU kernel time and launches a
 backward, against its wall time (what the host adds), and the kernels that take the most.
 --decoder-layers: Mistral's layer whole (patch(model, decoder_layers=True)), which needs eager
@@ -59,11 +60,13 @@ def one_layer(family: str, widths: dict, attention: str = "sdpa", vocab: int = 2
     return model
 
 
-def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bool = False) -> tuple[float, float]:
+def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bool = False,
+            zero_grad: bool = False) -> tuple[float, float]:
     """(milliseconds a forward + backward of `model` on random input embeddings, milliseconds
     of the backward alone: the median over `backward_calls` steps of CUDA events around the
     backward call, host time included). Each backward has its own forward: a graph run
-    backward twice (retain_graph) is refused by torch.compile's donated buffers."""
+    backward twice (retain_graph) is refused by torch.compile's donated buffers. `zero_grad`:
+    gradients set to None before each step (a first micro-batch), else accumulated."""
     import statistics
 
     import torch
@@ -74,11 +77,13 @@ def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bo
     upstream = torch.randn(batch, seq, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
 
     def step():
+        _clear(model, inputs, zero_grad)
         model(**inputs).last_hidden_state.backward(upstream)
 
     ms = time_ms(step, [()], budget_ms=200, repeats=5)  # warms up as well
     events = []
     for _ in range(backward_calls):
+        _clear(model, inputs, zero_grad)
         out = model(**inputs).last_hidden_state
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -89,7 +94,8 @@ def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bo
     return ms, statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def backward_kernels(model, batch: int, seq: int, input_ids: bool = False, calls: int = 5, top: int = 6) -> dict:
+def backward_kernels(model, batch: int, seq: int, input_ids: bool = False, zero_grad: bool = False, calls: int = 5,
+                     top: int = 6) -> dict:
     """Where one backward's GPU time goes, from torch.profiler over `calls` backward calls: GPU
     kernel ms and launches a backward, and the `top` kernels by GPU time (name, ms a backward,
     launches a backward)."""
@@ -104,6 +110,7 @@ def backward_kernels(model, batch: int, seq: int, input_ids: bool = False, calls
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for out in outs:
+            _clear(model, inputs, zero_grad)
             out.backward(upstream)
         torch.cuda.synchronize()
     kernels = collections.defaultdict(lambda: [0.0, 0])
@@ -115,6 +122,14 @@ def backward_kernels(model, batch: int, seq: int, input_ids: bool = False, calls
     return {"gpu_ms": sum(ms for ms, _ in kernels.values()),
             "launches": sum(n for _, n in kernels.values()) / calls,
             "top": [(name, ms, n / calls) for name, (ms, n) in ranked[:top]]}
+
+
+def _clear(model, inputs: dict, zero_grad: bool):
+    """With `zero_grad`, the model's and the input embeddings' gradients set to None."""
+    if zero_grad:
+        model.zero_grad(set_to_none=True)
+        for tensor in inputs.values():
+            tensor.grad = None
 
 
 def _inputs(model, batch: int, seq: int, input_ids: bool) -> dict:
@@ -136,6 +151,8 @@ def main(argv=None) -> int:
                         help="token ids through the embedding at the model's real vocabulary (module docstring)")
     parser.add_argument("--decoder-layers", action="store_true",
                         help="Mistral's decoder layer whole, eager attention (module docstring)")
+    parser.add_argument("--zero-grad", action="store_true",
+                        help="gradients set to None before each step (a first micro-batch; module docstring)")
     parser.add_argument("--profile", action="store_true",
                         help="each backward's GPU kernels as well (module docstring)")
     parser.add_argument("--json", help="where to write the rows")
@@ -175,13 +192,16 @@ def main(argv=None) -> int:
             variants = (("eager, sdpa attention", one_layer(family, widths, vocab=vocab)),) + variants
         for seq in args.seq or [512, 2048]:
             tokens = args.batch * seq
-            row = {"model": name, "batch": args.batch, "seq": seq, "input_ids": args.input_ids}
+            row = {"model": name, "batch": args.batch, "seq": seq, "input_ids": args.input_ids,
+                   "zero_grad": args.zero_grad}
             for label, model in variants:
                 progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}")
-                ms, backward_ms = step_ms(model, args.batch, seq, input_ids=args.input_ids)
+                ms, backward_ms = step_ms(model, args.batch, seq, input_ids=args.input_ids,
+                                          zero_grad=args.zero_grad)
                 row[label] = {"ms": ms, "backward_ms": backward_ms, "tokens_per_s": tokens / (ms * 1e-3)}
                 if args.profile:
-                    row[label]["kernels"] = kernels = backward_kernels(model, args.batch, seq, args.input_ids)
+                    row[label]["kernels"] = kernels = backward_kernels(model, args.batch, seq, args.input_ids,
+                                                                             args.zero_grad)
                     print(f"  {label}: backward {backward_ms:.3f} ms, GPU kernels {kernels['gpu_ms']:.3f} ms in "
                           f"{kernels['launches']:.0f} launches; most: " + "; ".join(
                               f"{name[:60]} {ms:.3f} ms x{n:.0f}" for name, ms, n in kernels["top"]), flush=True)
