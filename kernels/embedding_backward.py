@@ -808,8 +808,8 @@ _model_entries: dict = {}  # (hidden, accumulate, ids dtype, device index) -> _E
 
 def embedding_norm_backward(grad_normed, input_ids, embeds, rstd, norm_weight, residual_grad, embed_scale: float,
                             table, grad_norm_weight, *, accumulate: bool, poison: bool):
-    """A model's embedding lookup and first RMSNorm, backward (kernels/modules.py's
-    EmbeddingNorm): embeds = embed_scale * table rows, the norm reads embeds and the residual
+    """A model's embedding lookup and first RMSNorm, backward (kernels/embedding_norm.py's
+    embedding_norm): embeds = embed_scale * table rows, the norm reads embeds and the residual
     branch carries them on, so (w = norm_weight, the weight the norm multiplies by: Gemma's 1 + w)
 
         dx_t = rstd_t * (g_t * w - x_t * rstd_t^2 * sum_j(g_tj w_j x_tj) / H)   (g = grad_normed, x = embeds)

@@ -25,7 +25,7 @@ import torch
 
 from ..references.rmsnorm import normalized_dx
 from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
-from .modules import rms_norm_forward
+from .modules import kernel_reads, rms_norm_forward
 
 
 class _EmbeddingNormFunction(torch.autograd.Function):
@@ -73,7 +73,7 @@ def fresh_table_gradient(grad_normed, input_ids, embeds, rstd, scale, grad_embed
                          padding_idx=None):
     """(the table's gradient bf16 [vocab, H], the norm weight's fp32): the kernel where it reads
     the rows, its arithmetic in PyTorch elsewhere (torch.ops.cutebwd.embedding_norm_backward)."""
-    if embeds.is_cuda and _kernel_reads(embeds, grad_normed, grad_embeds):
+    if embeds.is_cuda and kernel_reads(embeds, grad_normed, grad_embeds):
         from .embedding_backward import embedding_norm_backward
 
         table = embeds.new_empty((vocab, embeds.shape[-1]))
@@ -92,7 +92,7 @@ def _add_table_gradient(table, grad_normed, input_ids, embeds, rstd, scale, grad
                         padding_idx):
     """Adds the table's gradient into `table` in place (only the rows the ids name are read and
     written); -> the norm weight's gradient (fp32)."""
-    if embeds.is_cuda and _kernel_reads(embeds, grad_normed, grad_embeds):
+    if embeds.is_cuda and kernel_reads(embeds, grad_normed, grad_embeds):
         from .embedding_backward import embedding_norm_backward
 
         kept = table[padding_idx].clone() if padding_idx is not None else None
@@ -111,12 +111,6 @@ def _add_table_gradient(table, grad_normed, input_ids, embeds, rstd, scale, grad
 def _kernel_table(grad, weight) -> bool:
     """A gradient the kernels can add into: the weight's shape, bf16, contiguous."""
     return grad.dtype == torch.bfloat16 and grad.shape == weight.shape and grad.is_contiguous()
-
-
-def _kernel_reads(embeds, grad_normed, grad_embeds) -> bool:
-    """What the model form takes: bf16 rows of a multiple of 8 elements (the table has the
-    embeddings' dtype)."""
-    return embeds.dtype == grad_normed.dtype == grad_embeds.dtype == torch.bfloat16 and embeds.shape[-1] % 8 == 0
 
 
 def embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float,

@@ -103,16 +103,17 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     for name, attention, fused in fused_layers:
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
-    embeddings = [(name, m) for name, m in model.named_modules() if _first_norm(m) is not None]
-    embeddings = [(name, m) for name, m in embeddings if id(_first_norm(m)) in {id(n) for _, n in norms}]
+    routed = {id(norm) for _, norm in norms}  # the embedding goes with a first norm that is routed
+    embeddings = [(f"{name}.embed_tokens" if name else "embed_tokens", m) for name, m in model.named_modules()
+                  if id(_first_norm(m)) in routed]
     for name, text_model in embeddings:
-        _check_embedding(f"{name}.embed_tokens" if name else "embed_tokens", text_model.embed_tokens)
+        _check_embedding(name, text_model.embed_tokens)
     for name, norm in norms:
         _route_norm(norm, NORMS[type(norm).__name__], result)
         result.replaced.append(name)
     for name, text_model in embeddings:
         _route_embedding(text_model, result)
-        result.replaced.append(f"{name}.embed_tokens" if name else "embed_tokens")
+        result.replaced.append(name)
     for name, layer in layers if decoder_layers else ():
         _route_whole_layer(layer, result)
         result.replaced.append(name)

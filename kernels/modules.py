@@ -120,7 +120,7 @@ class _RMSNormFunction(torch.autograd.Function):
         hidden = x.shape[-1]
         scale = weight.float() + 1.0 if ctx.one_plus else weight.float()
         rows = (grad.contiguous().reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
-        if x.is_cuda and _kernel_reads(x, grad):
+        if x.is_cuda and kernel_reads(x, grad):
             grad_x, grad_weight = torch.ops.cutebwd.rmsnorm_backward(*rows, scale)
         else:
             grad_x, grad_weight = _rmsnorm_backward_reference(*rows, scale)
@@ -137,9 +137,9 @@ def rms_norm_forward(x, weight, eps: float, one_plus: bool):
     return weight * (x32 * rstd).to(x.dtype), rstd
 
 
-def _kernel_reads(x, grad) -> bool:
-    """What the row kernel takes: bf16 rows of a multiple of 8 elements (else the reference runs)."""
-    return x.dtype == grad.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0
+def kernel_reads(*rows) -> bool:
+    """What the row kernels take: bf16 rows of a multiple of 8 elements (else the reference runs)."""
+    return all(t.dtype == torch.bfloat16 for t in rows) and rows[0].shape[-1] % 8 == 0
 
 
 def _rmsnorm_backward_reference(grad, x, rstd, scale):
