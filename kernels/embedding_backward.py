@@ -669,11 +669,13 @@ _calls = CallCache(_call_key, _check_call, _new_entry)
 CHECK_IDS = ("deferred", "now")
 # Walking CTAs take at least TOKENS_PER_CTA sorted positions each (SMALL_CALL_TOKENS_PER_CTA
 # below SMALL_CALL_TOKENS): fewer, fuller CTAs make the fix-up's grid and the weight partials
-# smaller, shorter walks finish sooner. Accumulate calls, us a call at 2 / 4 / 8 / 16 positions
-# a CTA (H200): 256 tokens 14.2 / 13.4 / 16.9 / 26.8, 512 tokens 16.5 / 14.6 / 19.7 / 29.7,
-# 1024 tokens 26.4 / 26.1 / 23.5 / 32.7.
+# smaller, shorter walks finish sooner. Fresh calls are paced by the table's fill instead.
 TOKENS_PER_CTA = 8
 SMALL_CALL_TOKENS, SMALL_CALL_TOKENS_PER_CTA = 1024, 4
+# Accumulate calls of up to SMALL_CALL_TOKENS spread their positions evenly over one CTA an SM:
+# an SM streams a token's rows at a few tens of GB/s, so the busiest SM's share sets the walk's
+# length. H200, GPU time a call at 128 / 256 tokens with the sort skipped: 4 positions a CTA 11.1 /
+# 11.5 us, 2 a CTA 8.6 / 9.4; at 512 tokens 2 a CTA (two CTAs an SM) lost, 16.1 against 14.6.
 # Where some CTAs only fill, a walking CTA takes this share of a filling CTA's rows (_split).
 WALKER_FILL_SHARE = 0.8
 # A fresh table is filled by FILL_WAVES x (resident CTAs): the block scheduler hands the later
@@ -683,15 +685,18 @@ FILL_WAVES = 4
 
 
 def _split(tokens: int, vocab_size: int, max_ctas: int, accumulate: bool):
-    """(walking CTAs, grid, walker_rows) of a call (EmbeddingRmsNormBackward.kernel): a fresh
+    """(walking CTAs, grid, walker_rows) of a call (EmbeddingRmsNormBackward.kernel): an
+    accumulating call's grid is its walking CTAs (up to SMALL_CALL_TOKENS tokens one an SM); a fresh
     table is filled by FILL_WAVES x max_ctas CTAs whatever the token count, more where a CTA's
     share of the rows would pass FILL_ROWS. The walking CTAs fill rows [0, walker_rows), the others the rest:
     where some CTAs only fill, a walking CTA takes WALKER_FILL_SHARE of a filling CTA's rows,
     since its walk comes first."""
+    if accumulate:
+        per_cta = -(-tokens // (max_ctas // CTAS_PER_SM)) if tokens <= SMALL_CALL_TOKENS else TOKENS_PER_CTA
+        walkers = min(-(-tokens // per_cta), max_ctas)
+        return walkers, walkers, 0
     per_cta = SMALL_CALL_TOKENS_PER_CTA if tokens < SMALL_CALL_TOKENS else TOKENS_PER_CTA
     walkers = min(-(-tokens // per_cta), max_ctas)
-    if accumulate:
-        return walkers, walkers, 0
     grid = max(FILL_WAVES * max_ctas, -(-vocab_size // FILL_ROWS))
     walker_rows = vocab_size * walkers // grid  # an even cut
     if walkers < grid:

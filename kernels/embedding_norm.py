@@ -25,7 +25,7 @@ import torch
 
 from ..references.rmsnorm import normalized_dx
 from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
-from .modules import kernel_reads, rms_norm_forward
+from .modules import kernel_reads, rms_norm_forward, weight_scale
 
 
 class _EmbeddingNormFunction(torch.autograd.Function):
@@ -38,19 +38,19 @@ class _EmbeddingNormFunction(torch.autograd.Function):
         embeds = torch.nn.functional.embedding(input_ids, weight)
         if embed_scale is not None:
             embeds = embeds * scale
-        normed, rstd = rms_norm_forward(embeds, norm_weight, eps, one_plus)
-        ctx.save_for_backward(input_ids, weight, embeds, rstd, norm_weight)
-        ctx.one_plus, ctx.padding_idx, ctx.embed_scale = one_plus, padding_idx, scale
+        normed, rstd, norm_scale = rms_norm_forward(embeds, norm_weight, eps, one_plus)
+        ctx.save_for_backward(input_ids, weight, embeds, rstd, norm_weight, norm_scale)
+        ctx.padding_idx, ctx.embed_scale = padding_idx, scale
         return embeds, normed
 
     @staticmethod
     def backward(ctx, grad_embeds, grad_normed):
-        input_ids, weight, embeds, rstd, norm_weight = ctx.saved_tensors
+        input_ids, weight, embeds, rstd, norm_weight, norm_scale = ctx.saved_tensors
         if grad_normed is None:
             grad_normed = torch.zeros_like(embeds)
         if grad_embeds is None:
             grad_embeds = torch.zeros_like(embeds)
-        scale = norm_weight.float() + 1.0 if ctx.one_plus else norm_weight.float()
+        scale = weight_scale(norm_weight, norm_scale)
         rows = (grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(), ctx.embed_scale)
         in_place = (not torch.compiler.is_compiling() and weight.grad is not None
                     and _kernel_table(weight.grad, weight))

@@ -109,16 +109,15 @@ class GemmaQKVNorm(torch.nn.Module):
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, one_plus):
-        out, rstd = rms_norm_forward(x, weight, eps, one_plus)
-        ctx.save_for_backward(x, rstd, weight)
-        ctx.one_plus = one_plus
+        out, rstd, scale = rms_norm_forward(x, weight, eps, one_plus)
+        ctx.save_for_backward(x, rstd, weight, scale)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, rstd, weight = ctx.saved_tensors
+        x, rstd, weight, scale = ctx.saved_tensors
         hidden = x.shape[-1]
-        scale = weight.float() + 1.0 if ctx.one_plus else weight.float()
+        scale = weight_scale(weight, scale)
         rows = (grad.contiguous().reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
         if x.is_cuda and kernel_reads(x, grad):
             grad_x, grad_weight = torch.ops.cutebwd.rmsnorm_backward(*rows, scale)
@@ -128,13 +127,21 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm_forward(x, weight, eps: float, one_plus: bool):
-    """(out, rstd fp32 [..., 1]) of a model's RMSNorm in transformers' own sequence of operations,
-    so the output is bitwise the model's."""
+    """(out, rstd fp32 [..., 1], Gemma's fp32 1 + w or None) of a model's RMSNorm in transformers'
+    own sequence of operations, so the output is bitwise the model's. The backward keeps the
+    forward's 1 + w rather than making it again (two launches a backward, where a small model's
+    backward is bound by host time)."""
     x32 = x.to(torch.float32)
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if one_plus:
-        return (x32 * rstd * (1.0 + weight.float())).type_as(x), rstd
-    return weight * (x32 * rstd).to(x.dtype), rstd
+        scale = 1.0 + weight.float()
+        return (x32 * rstd * scale).type_as(x), rstd, scale
+    return weight * (x32 * rstd).to(x.dtype), rstd, None
+
+
+def weight_scale(weight, one_plus_scale):
+    """The fp32 weight the norm multiplies by: the forward's 1 + w (Gemma), else w."""
+    return weight.float() if one_plus_scale is None else one_plus_scale
 
 
 def kernel_reads(*rows) -> bool:
