@@ -16,9 +16,9 @@ rides with the sorted ids, so every kernel refuses bad ids before it writes anyt
 - Ids sorted on chip: each row-kernel CTA sees bad ids as it sorts; CTA 0 records their range
   in the device's error record (errors.py) and leaves the verdict in a status word for the
   column sum.
-- Sorted beforehand: the index pass (our radix sort up to id_radix.MAX_TOKENS tokens and 65536
-  ids; RangeAndKeys, PyTorch's sort of int16 keys and WidenKeys above; PyTorch's operations
-  for larger vocabularies) writes -1 as the first sorted id when an id is bad, and records the
+- Sorted beforehand: the index pass (our radix sort up to id_radix.MAX_TOKENS tokens and 2^24
+  ids, on two digits up to 65536 ids and three above; RangeAndKeys, PyTorch's sort of int16
+  keys and WidenKeys above that many tokens; PyTorch's operations beyond) writes -1 as the first sorted id when an id is bad, and records the
   range; the kernels check the sorted ends.
 With bad ids a caller's outputs are left untouched and the call's own are filled with NaN.
 The host learns of the error at its next call (errors.raise_pending), or at once with
@@ -598,6 +598,10 @@ class _Entry:
     def run_radix_sort(self):
         return runtime.ffi_function(id_radix.build(self.ids, self.arch))
 
+    @functools.cached_property
+    def run_radix_sort_three_digits(self):
+        return runtime.ffi_function(id_radix.build(self.ids, self.arch, digits=3))
+
     def sort(self, ids, vocab_size):
         """(sorted ids int32, order int64, the radix sort's (marks, ranges, marked)) of ids above
         SORT_ON_CHIP_MAX_TOKENS, with the verdict on the first sorted id (-1: an id outside [0,
@@ -612,8 +616,9 @@ class _Entry:
         if tokens <= id_radix.MAX_TOKENS and vocab_size <= id_radix.MAX_VOCAB:
             # Our radix sort: three kernels in one call (id_radix).
             sorted_ids, order = index.sorted_ids[:tokens], index.order[:tokens]
-            mark = int(not self.accumulate and tokens <= EARLY_FILL_MAX_TOKENS)
-            self.run_radix_sort(ids, index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order,
+            two_digits = id_radix.digits_for(vocab_size) == 2
+            mark = int(not self.accumulate and tokens <= EARLY_FILL_MAX_TOKENS and two_digits)
+            (self.run_radix_sort if two_digits else self.run_radix_sort_three_digits)(ids, index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order,
                                 self.record, index.marks, vocab_size, mark)
             return sorted_ids, order, (index.marks, index.ranges, mark)
         if vocab_size <= KEYS_MAX_VOCAB:
@@ -737,7 +742,7 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
 
     The index pass: up to SORT_ON_CHIP_MAX_TOKENS tokens (vocabularies up to
     SORT_ON_CHIP_MAX_VOCAB) in the row kernel; above, up to id_radix.MAX_TOKENS (vocabularies
-    up to 65536), our radix sort; otherwise PyTorch's stable sort (_Entry.sort).
+    up to 2^24), our radix sort; otherwise PyTorch's stable sort (_Entry.sort).
     """
     import torch
 

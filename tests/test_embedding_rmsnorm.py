@@ -97,11 +97,12 @@ def test_bitwise_repeatable_with_heavy_duplication():
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
-# One call per index pass: (batch, seq, vocabulary, hidden). Ids sorted on chip; our radix sort;
-# RangeAndKeys + PyTorch's int16 sort + WidenKeys; PyTorch's operations for vocabularies above
-# 65536.
+# One call per index pass: (batch, seq, vocabulary, hidden). Ids sorted on chip; our radix sort
+# on two digits and on three (a Gemma-sized vocabulary); RangeAndKeys + PyTorch's int16 sort +
+# WidenKeys; PyTorch's operations for vocabularies above 2^24.
 PATHS = {"on chip": (2, 64, 65536, 4096), "radix": (2, 1000, 65536, 4096),
-         "int16 keys": (1, id_radix.MAX_TOKENS + 1, 65536, 64), "large vocabulary": (2, 700, 70000, 256)}
+         "radix, three digits": (2, 700, 262144, 256), "int16 keys": (1, id_radix.MAX_TOKENS + 1, 65536, 64),
+         "large vocabulary": (2, 700, id_radix.MAX_VOCAB + 8, 8)}
 
 
 def _path_inputs(path, seed=2):
@@ -176,7 +177,7 @@ def test_no_host_synchronization(path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["on chip", "radix", "large vocabulary"])
+@pytest.mark.parametrize("path", ["on chip", "radix", "radix, three digits", "large vocabulary"])
 def test_cuda_graph_replay_matches_eager_and_catches_bad_ids(path):
     (go, ids, x, r, w), vocab, hidden = _path_inputs(path)
     base = torch.randn(vocab, hidden, device="cuda").bfloat16()
@@ -244,10 +245,10 @@ def test_fresh_table_written_whole_on_every_path(path):
 
 @pytest.mark.gpu
 # Large calls by index pass: the radix sort up to id_radix.MAX_TOKENS with vocabularies of 1000
-# and 65536 (ids at both ends and around the high digit's middle); aminmax and PyTorch's int32
-# sort for 70000; one token past MAX_TOKENS, int16 keys sorted by PyTorch.
+# and 65536 (ids at both ends and around the high digit's middle), on three digits for 70000 and
+# 2^24; one token past MAX_TOKENS, int16 keys sorted by PyTorch.
 @pytest.mark.parametrize("vocab,batch,seq", [(1000, 3, 2000), (65536, 3, 2000), (70000, 3, 2000),
-                                             (65536, 1, id_radix.MAX_TOKENS + 1)])
+                                             (id_radix.MAX_VOCAB, 3, 2000), (65536, 1, id_radix.MAX_TOKENS + 1)])
 def test_large_calls_by_vocabulary(vocab, batch, seq):
     dims = {"vocab": vocab, "hidden": 64}
     go, ids, x, r, w = PROBLEM.make_inputs(batch, seq, device="cuda", seed=vocab, dims=dims)
@@ -300,18 +301,23 @@ def test_gpu_argument_errors():
 
 @pytest.mark.gpu
 # The radix sort alone: bitwise PyTorch's stable sort (ids and order) at a ragged chunk, 32K
-# tokens and MAX_TOKENS, int32 and int64 ids, one id everywhere; a bad id leaves -1 first and
-# its range in the error record.
+# tokens and MAX_TOKENS, int32 and int64 ids, one id everywhere, on two digits and on three (ids
+# drawn from a few hundred values, so most are repeated); a bad id leaves -1 first and its range
+# in the error record.
 @pytest.mark.parametrize("tokens,dtype,vocab", [(2049, torch.int64, 65536), (5000 + 7, torch.int32, 300),
-                                                (32768, torch.int64, 65536), (id_radix.MAX_TOKENS, torch.int32, 1)])
+                                                (32768, torch.int64, 65536), (id_radix.MAX_TOKENS, torch.int32, 1),
+                                                (5000 + 7, torch.int32, 262144), (32768, torch.int64, id_radix.MAX_VOCAB)])
 def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab):
     from cutebwd.kernels import errors
     from cutebwd.kernels.runtime import device_arch, ffi_function
 
     device = torch.cuda.current_device()
-    run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(device)))
+    digits = id_radix.digits_for(vocab)
+    run = ffi_function(id_radix.build(Int64 if dtype == torch.int64 else Int32, device_arch(device), digits=digits))
     index = id_radix.Workspace(torch.device("cuda", device)).get()
     ids = torch.randint(0, vocab, (tokens,), device="cuda", dtype=dtype)
+    if digits == 3:
+        ids = ids[torch.randint(0, 300, (tokens,), device="cuda")]  # repeated ids: the sort must be stable
     sorted_ids, order = index.sorted_ids[:tokens].fill_(-5), index.order[:tokens].fill_(-5)
     args = (index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order, errors.record(device),
             index.marks, vocab)
@@ -319,16 +325,17 @@ def test_radix_sort_is_a_stable_sort(tokens, dtype, vocab):
     want_ids, want_order = torch.sort(ids, stable=True)
     assert torch.equal(sorted_ids, want_ids.int()) and torch.equal(order, want_order)
     assert not index.marks.any()  # marks only where asked
-    # With `mark`: a bit per id present, and each pass's CTAs counted done
-    sorted_ids.fill_(-5)
-    run(ids, *args, 1)
-    assert torch.equal(sorted_ids, want_ids.int())
-    bits = torch.zeros(id_radix.MAX_VOCAB, dtype=torch.bool, device="cuda")
-    bits[ids.long()] = True
-    words = (bits.view(-1, 32).long() << torch.arange(32, device="cuda")).sum(1)
-    assert torch.equal(index.marks[:id_radix.MARK_WORDS], (words - (words >= 2**31).long() * 2**32).int())
-    assert index.marks[id_radix.COUNTS_DONE:].tolist() == [id_radix.chunks(tokens)] * 2
-    index.marks.zero_()
+    if digits == 2:  # marks serve two-digit calls only
+        # With `mark`: a bit per id present, and each pass's CTAs counted done
+        sorted_ids.fill_(-5)
+        run(ids, *args, 1)
+        assert torch.equal(sorted_ids, want_ids.int())
+        bits = torch.zeros(id_radix.MARK_VOCAB, dtype=torch.bool, device="cuda")
+        bits[ids.long()] = True
+        words = (bits.view(-1, 32).long() << torch.arange(32, device="cuda")).sum(1)
+        assert torch.equal(index.marks[:id_radix.MARK_WORDS], (words - (words >= 2**31).long() * 2**32).int())
+        assert index.marks[id_radix.COUNTS_DONE:].tolist() == [id_radix.chunks(tokens)] * 2
+        index.marks.zero_()
     chunk_ranges = index.ranges[:id_radix.chunks(tokens)]
     assert int(chunk_ranges[:, 0].min()) == int(ids.min()) and int(chunk_ranges[:, 1].max()) == int(ids.max())
     cutebwd.check_errors()  # nothing recorded
