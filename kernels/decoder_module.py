@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..references import decoder_layer as contract
-from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
+from .torch_ops import op
 
 
 class LayerWeights(typing.NamedTuple):
@@ -105,7 +105,7 @@ class _DecoderLayerFunction(torch.autograd.Function):
                 ffn_input, up, gate, silu_gate, swiglu_output, w.input_ln, w.q, w.k, w.v, w.o, w.post_attn_ln,
                 w.up, w.gate, w.down, variance1, variance2, normalized1, normalized2, ctx.eps)
         if grad_output.is_cuda:
-            grads = torch.ops.cutebwd.decoder_layer_backward(*args)
+            grads = op("decoder_layer_backward")(*args)
         else:
             grads = contract.decoder_layer_backward(*args)
         (grad_input, grad_input_ln, grad_q, grad_k, grad_v, grad_o, grad_post_attn_ln, grad_up, grad_gate,

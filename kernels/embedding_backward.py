@@ -813,7 +813,7 @@ def _launch(entry, tokens: int, grad_output, input_ids, hidden_states, rstd, nor
             raise
 
 
-_model_entries: dict = {}  # (hidden, accumulate, ids dtype, device index) -> _Entry of the model form
+_model_entries: dict = {}  # (hidden, accumulate, ids dtype, norm_weight dtype, device index) -> the model form's _Entry
 
 
 def embedding_norm_backward(grad_normed, input_ids, embeds, rstd, norm_weight, residual_grad, embed_scale: float,
@@ -828,11 +828,11 @@ def embedding_norm_backward(grad_normed, input_ids, embeds, rstd, norm_weight, r
 
     in fp32, each table row rounded once, bitwise repeatable, as embedding_rmsnorm_backward.
     grad_normed, embeds, residual_grad bf16 [b, s, H]; input_ids int64 or int32 [b, s]; rstd fp32
-    [b, s, 1]; norm_weight and grad_norm_weight fp32 [H]; table bf16 [V, H]. The caller checks
+    [b, s, 1]; norm_weight and grad_norm_weight [H], both fp32 or both bf16; table bf16 [V, H]. The caller checks
     dtypes and shapes; the C entry point checks them again with strides and alignment. Ids outside
     [0, V) are caught on the device and reported at a later call (check_ids="deferred"): then
     nothing is written, or, with `poison` (outputs the caller made for this call), NaN."""
-    key = (embeds.shape[-1], bool(accumulate), input_ids.dtype, embeds.get_device())
+    key = (embeds.shape[-1], bool(accumulate), input_ids.dtype, norm_weight.dtype, embeds.get_device())
     entry = _model_entries.get(key)
     if entry is None:
         entry = _model_entries[key] = _Entry(key[0], key[1], input_ids.dtype, norm_weight.dtype, embeds.device,
@@ -860,6 +860,8 @@ _AUDITED = {  # name: (norm_weight dtype, accumulate, other build options)
     "norm_weight fp32,fresh": (Float32, False, {}),
     "model form,fresh,ids sorted on chip": (Float32, False, {"ids_dtype": Int64, "model": True}),
     "model form,accumulate": (Float32, True, {"model": True}),
+    "model form,norm_weight bf16,accumulate,ids sorted on chip,one launch": (BFloat16, True,
+                                                                            {"ids_dtype": Int64, "model": True}),
 }
 AUDIT_BUILDS = {
     f"embedding_rmsnorm_backward[H=4096,{name}]":
@@ -870,7 +872,7 @@ AUDIT_BUILDS = {
 # 128-bit loads of the fp32 rows (the partials, an fp32 norm_weight, hidden_states where no ring
 # holds them); no spills; no atomics (every sum has a fixed order).
 AUDIT_EXPECTS = {arch: {"require": ["LDG.128"], "forbid": ["LOCAL", "ATOM/RED"]} for arch in runtime.ARCHES}
-# The one-launch build's grid barrier counts arrivals with an integer atomic: still no float one.
+# The one-launch builds' grid barrier counts arrivals with an integer atomic: still no float one.
 AUDIT_EXPECTS_BY_BUILD = {
-    "embedding_rmsnorm_backward[H=4096,norm_weight bf16,accumulate,ids sorted on chip,one launch]": {
-        arch: {"require": ["LDG.128", "ATOM/RED"], "forbid": ["LOCAL", "ATOM/RED.FLOAT"]} for arch in runtime.ARCHES}}
+    name: {arch: {"require": ["LDG.128", "ATOM/RED"], "forbid": ["LOCAL", "ATOM/RED.FLOAT"]} for arch in runtime.ARCHES}
+    for name in AUDIT_BUILDS if "one launch" in name}

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from ..references.rmsnorm import normalized_dx
-from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
-from .modules import kernel_reads, rms_norm_forward, weight_scale
+from .modules import KERNEL_WEIGHT_DTYPES, kernel_reads, rms_norm_forward, weight_scale
+from .torch_ops import op
 
 
 class _EmbeddingNormFunction(torch.autograd.Function):
@@ -50,7 +50,11 @@ class _EmbeddingNormFunction(torch.autograd.Function):
             grad_normed = torch.zeros_like(embeds)
         if grad_embeds is None:
             grad_embeds = torch.zeros_like(embeds)
-        scale = weight_scale(norm_weight, norm_scale)
+        # The weight the norm multiplies by: Gemma's fp32 1 + w, or the weight as it is where the
+        # kernel reads its dtype (then its gradient comes in that dtype too: no casts).
+        scale = norm_scale
+        if scale is None:
+            scale = norm_weight if norm_weight.dtype in KERNEL_WEIGHT_DTYPES else weight_scale(norm_weight, None)
         rows = (grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(), ctx.embed_scale)
         in_place = (not torch.compiler.is_compiling() and weight.grad is not None
                     and _kernel_table(weight.grad, weight))
@@ -58,8 +62,7 @@ class _EmbeddingNormFunction(torch.autograd.Function):
             grad_norm_weight = _add_table_gradient(weight.grad, *rows, ctx.padding_idx)
             table = None
         else:
-            table, grad_norm_weight = torch.ops.cutebwd.embedding_norm_backward(*rows, weight.shape[0],
-                                                                                ctx.padding_idx)
+            table, grad_norm_weight = op("embedding_norm_backward")(*rows, weight.shape[0], ctx.padding_idx)
         return None, table, grad_norm_weight.to(norm_weight.dtype), None, None, None, None
 
 
@@ -85,7 +88,7 @@ def fresh_table_gradient(grad_normed, input_ids, embeds, rstd, scale, grad_embed
         return table, grad_norm_weight
     fresh, grad_norm_weight = embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale,
                                                                 grad_embeds, embed_scale, vocab, padding_idx)
-    return fresh.to(embeds.dtype), grad_norm_weight
+    return fresh.to(embeds.dtype), grad_norm_weight.to(scale.dtype)
 
 
 def _add_table_gradient(table, grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float,

@@ -10,7 +10,7 @@ On CUDA tensors the backward is the op; on CPU tensors it is the op's plain-PyTo
     rms_norm(x, weight, eps, one_plus=False)
         a model's RMSNorm over the last dim, as transformers computes it: weight * bf16(x * rstd)
         (Llama, Qwen3, Mistral) or bf16(x * rstd * (1 + weight)) in fp32 (Gemma3, one_plus);
-        the backward is the RMSNorm row kernel (rmsnorm_backward.MODEL_FORM).
+        the backward is the RMSNorm row kernel (rmsnorm_backward.model_form).
 """
 from __future__ import annotations
 
@@ -18,15 +18,14 @@ import torch
 
 from ..references import qkv_qknorm as qkv_reference
 from ..references.rmsnorm import normalized_dx
-from . import torch_ops  # noqa: F401  (registers torch.ops.cutebwd.*)
+from .torch_ops import op
 
 
 def _qkv_backward(hidden_states):
-    """The op on CUDA tensors, its plain-PyTorch reference (the contract's arithmetic) elsewhere.
-    The op as its custom operator, so torch.compile of a patched model traces through the
-    backward (the dispatcher's few us a call are nothing beside a layer's backward)."""
+    """The op on CUDA tensors (its custom operator under torch.compile), its plain-PyTorch
+    reference (the contract's arithmetic) elsewhere."""
     if hidden_states.is_cuda:
-        return torch.ops.cutebwd.qkv_qknorm_backward
+        return op("qkv_qknorm_backward")
     return qkv_reference.qkv_qknorm_backward
 
 
@@ -116,13 +115,19 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, rstd, weight, scale = ctx.saved_tensors
-        hidden = x.shape[-1]
-        scale = weight_scale(weight, scale)
-        rows = (grad.contiguous().reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
+        grad = grad.contiguous()
+        rows = (grad, x, rstd)
+        if x.dim() != 3:  # the kernel reads [b, s, H]
+            hidden = x.shape[-1]
+            rows = (grad.reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
         if x.is_cuda and kernel_reads(x, grad):
-            grad_x, grad_weight = torch.ops.cutebwd.rmsnorm_backward(*rows, scale)
+            # the weight (or Gemma's 1 + w) and its gradient in their dtypes: no casts, a launch each
+            multiplier, grad_dtype = (weight if scale is None else scale), weight.dtype
+            if grad_dtype not in KERNEL_WEIGHT_DTYPES:
+                multiplier, grad_dtype = multiplier.float(), torch.float32
+            grad_x, grad_weight = op("rmsnorm_backward")(*rows, multiplier, grad_dtype)
         else:
-            grad_x, grad_weight = _rmsnorm_backward_reference(*rows, scale)
+            grad_x, grad_weight = _rmsnorm_backward_reference(*rows, weight_scale(weight, scale))
         return grad_x.view(x.shape), grad_weight.to(weight.dtype), None, None
 
 
@@ -142,6 +147,9 @@ def rms_norm_forward(x, weight, eps: float, one_plus: bool):
 def weight_scale(weight, one_plus_scale):
     """The fp32 weight the norm multiplies by: the forward's 1 + w (Gemma), else w."""
     return weight.float() if one_plus_scale is None else one_plus_scale
+
+
+KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # norm weights the row kernels read as they are
 
 
 def kernel_reads(*rows) -> bool:

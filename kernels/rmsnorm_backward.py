@@ -85,8 +85,10 @@ class RowForm:
     decoder layer's contract); otherwise (the default form's) dx comes from normalized and x is
     not read. Without normalized the pass always reads x and takes dx from it.
 
-    single_output: dx is written once (a plain RMSNorm's input gradient, `MODEL_FORM`), not as
-    the two summands' equal gradients."""
+    single_output: dx is written once (a plain RMSNorm's input gradient, `model_form`), not as
+    the two summands' equal gradients.
+
+    grad_weight: its dtype; the column sum rounds the fp32 sum once as it stores a bf16 one."""
     grad: type = BFloat16
     x: type = Float32
     weight: type = Float32
@@ -94,6 +96,7 @@ class RowForm:
     residual_grad: bool = False
     dx_from_x: bool = False
     single_output: bool = False
+    grad_weight: type = Float32
 
     @property
     def writes_grad_residual(self) -> bool:
@@ -106,8 +109,9 @@ class RowForm:
         """The build key's part: nothing for the default form, every field for another."""
         if self == RowForm():
             return ()
-        return (self.grad.__name__, self.x.__name__, self.weight.__name__, self.from_variance,
-                self.residual_grad, self.dx_from_x, self.single_output)
+        fields = (self.grad.__name__, self.x.__name__, self.weight.__name__, self.from_variance,
+                  self.residual_grad, self.dx_from_x, self.single_output)
+        return fields if self.grad_weight is Float32 else (*fields, self.grad_weight.__name__)
 
 
 class FusedResidualRmsNormBackward:
@@ -386,7 +390,7 @@ def _fake_args(hidden: int, read_normalized: bool, clusters: int = 0, form: RowF
     rows_of = lambda dtype: fake_rows(dtype, batch, seq, hidden)
     rstd = fake_rstd(batch, seq)
     weight = runtime.fake_tensor(form.weight, (hidden,), (1,), VECTOR * form.weight.width // 8)
-    grad_weight = runtime.fake_tensor(Float32, (hidden,), (1,), 16)
+    grad_weight = runtime.fake_tensor(form.grad_weight, (hidden,), (1,), 16)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     x = rows_of(form.x) if form.reads_x(read_normalized) else None
     normalized = rows_of(Float32) if read_normalized else None
@@ -601,23 +605,34 @@ def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, re
               min(rows, entry.max_ctas), residual_grad, eps)
 
 
-# A model's RMSNorm layer (kernels/modules.py rms_norm): bf16 gradient and input, rstd given, the
-# weight in fp32 (w, or Gemma's 1 + w), dx written once, normalized = x * rstd (x is what the
-# forward saves).
-MODEL_FORM = RowForm(grad=BFloat16, x=BFloat16, weight=Float32, single_output=True)
+# A model's RMSNorm layer (kernels/modules.py rms_norm): bf16 gradient and input, rstd given, dx
+# written once, normalized = x * rstd (x is what the forward saves). The weight (w, or Gemma's
+# fp32 1 + w) and its gradient in the model's dtypes, bf16 or fp32, so the backward makes no
+# casts: a small model's backward is bound by host time, a launch each.
+def model_form(weight, grad_weight) -> RowForm:
+    """The model form for a weight and a weight gradient of these CuTe types (BFloat16 or Float32)."""
+    return RowForm(grad=BFloat16, x=BFloat16, weight=weight, single_output=True, grad_weight=grad_weight)
+
+
+MODEL_WEIGHT_DTYPES = ("bfloat16", "float32")  # what model_form takes, by torch dtype name
+_model_entries: dict = {}  # (weight dtype, grad_weight dtype, hidden, device index) -> _FormEntry
 
 
 def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
-    """A plain RMSNorm's backward, one pass over the rows (MODEL_FORM):
+    """A plain RMSNorm's backward, one pass over the rows (model_form):
 
         out = bf16(rms_dx(grad * weight, x, rstd));  grad_weight = sum over rows of grad * x * rstd
 
     grad, x and out bf16 [b, s, H] (H a multiple of 8, row starts 16-byte aligned); rstd fp32
-    [b, s, 1]; weight and grad_weight fp32 [H], grad_weight bitwise repeatable. The caller checks
-    dtypes and shapes (kernels/modules.py); the C entry point checks them again with strides and
-    alignment."""
+    [b, s, 1]; weight and grad_weight [H], each bf16 or fp32 (MODEL_WEIGHT_DTYPES); grad_weight
+    is the fp32 sum rounded once, bitwise repeatable. The caller checks dtypes and shapes
+    (kernels/modules.py); the C entry point checks them again with strides and alignment."""
+    key = (weight.dtype, grad_weight.dtype, x.shape[-1], x.get_device())
+    entry = _model_entries.get(key)
+    if entry is None:
+        form = model_form(runtime.cute_dtype(weight.dtype), runtime.cute_dtype(grad_weight.dtype))
+        entry = _model_entries[key] = _FormEntry(form, x.shape[-1], x.device, False, GRID_CTAS_PER_SM)
     batch, seq, _ = x.shape
-    entry = _form_entry(MODEL_FORM, x, False, GRID_CTAS_PER_SM)
     rows = batch * seq
     if rows == 0:
         grad_weight.zero_()
@@ -638,10 +653,10 @@ AUDIT_BUILDS.update({
 })
 AUDIT_BUILDS["fused_residual_rmsnorm_backward[H=5120,056 form]"] = \
     lambda arch, dump_dir: _build(5120, True, arch, dump_dir, form=DECODER_FORM)
-AUDIT_BUILDS.update({  # Qwen3-4B's layer norms, and its Q/K norms over head_dim 128
-    f"rmsnorm_backward[H={h},model form]":
-        (lambda arch, dump_dir, h=h: _build(h, False, arch, dump_dir, form=MODEL_FORM))
-    for h in (2560, 128)
+AUDIT_BUILDS.update({  # Qwen3-4B's layer norms (bf16 weight) and Q/K norms over head_dim 128; Gemma's 1 + w
+    f"rmsnorm_backward[H={h},model form,{w.__name__} weight]":
+        (lambda arch, dump_dir, h=h, w=w: _build(h, False, arch, dump_dir, form=model_form(w, BFloat16)))
+    for h, w in ((2560, BFloat16), (128, BFloat16), (640, Float32))
 })
 # Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no
 # local-memory spills, no atomics (grad_weight's order is fixed).

@@ -41,6 +41,32 @@ def test_fake_implementations_give_shapes_and_dtypes():
         assert torch.ops.cutebwd.embedding_rmsnorm_backward(go, ids, hs, r, w.bfloat16(), 100)[1].dtype == torch.bfloat16
 
 
+def test_rmsnorm_fake_implementation_gives_the_weight_gradient_dtype_asked():
+    with FakeTensorMode():
+        go, x = (torch.empty(2, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        r = torch.empty(2, 8, 1, device="cuda")
+        for weight_dtype in (torch.float32, torch.bfloat16):
+            for grad_dtype in (torch.float32, torch.bfloat16):
+                w = torch.empty(64, device="cuda", dtype=weight_dtype)
+                dx, dw = torch.ops.cutebwd.rmsnorm_backward(go, x, r, w, grad_dtype)
+                assert dx.shape == x.shape and dx.dtype == torch.bfloat16
+                assert dw.shape == (64,) and dw.dtype == grad_dtype
+
+
+def test_backwards_call_the_operators_only_under_compile(monkeypatch):
+    """Eagerly the function behind each operator (no dispatcher layer), while torch.compile
+    traces the operator itself."""
+    names = ("fused_residual_rmsnorm_backward", "rmsnorm_backward", "embedding_rmsnorm_backward",
+             "embedding_rmsnorm_backward_accumulate", "embedding_norm_backward", "qkv_qknorm_backward",
+             "decoder_layer_backward")
+    for name in names:
+        eager = torch_ops.op(name)
+        assert eager.__name__ == name and eager.__module__ == torch_ops.__name__  # the plain function
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for name in names:
+        assert torch_ops.op(name) is getattr(torch.ops.cutebwd, name)
+
+
 def test_qkv_fake_implementation():
     *tensors, eps = PROBLEMS["qkv_qknorm_backward"].make_inputs(2, 16)  # on the CPU: only shapes matter
     with FakeTensorMode() as mode:
