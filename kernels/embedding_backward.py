@@ -220,6 +220,11 @@ class EmbeddingRmsNormBackward:
             publish = Int32(0) if cutlass.const_expr(self.one_launch) else Int32(bidx == 0)  # for the fix-up
             in_range, m_sorted, m_order = sort_ids(smem, m_ids, m_table.shape[0], m_sorted, publish, tidx,
                                                    threads, sort)
+            if cutlass.const_expr(self.one_launch):
+                # The next kernel may launch now: a next call of this build sorts its ids (inputs
+                # only, before its griddepcontrol wait) beside this grid's walk, which leaves an
+                # SM's second CTA slot free.
+                cute.arch.griddepcontrol_launch_dependents()
         else:
             read_row(loads, (m_w,), (norm_weight,), tidx, threads, vpt, vectors)  # an input: before the wait
             if cutlass.const_expr(m_marks is not None):
@@ -369,8 +374,9 @@ class EmbeddingRmsNormBackward:
                 bounds = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
                 self.table_fill.mark_rows(touched, marks, bounds, m_sorted, m_ids, in_range, first, rows, tidx)
                 self.table_fill.fill(m_table, touched, first, rows, value, tidx, 0)
-        # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
-        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(not self.one_launch):
+            # Let the fix-up launch now; its griddepcontrol.wait still waits for every write here.
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def finish_in_grid(self, m_sorted, m_table, m_part, m_carry, m_wout, m_arrivals, ctas, regs, loads, tidx):
