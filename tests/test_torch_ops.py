@@ -67,6 +67,27 @@ def test_backwards_call_the_operators_only_under_compile(monkeypatch):
         assert torch_ops.op(name) is getattr(torch.ops.cutebwd, name)
 
 
+def test_export_functionalizes_the_accumulating_op():
+    """torch.export (and torch.compile's AOT stage) turn the in-place accumulate op into a
+    functional node over the tables it writes, with the other ops as they are."""
+    class Step(torch.nn.Module):
+        def forward(self, go, ids, x, r, w, table, gw):
+            dh, dr, dw = torch.ops.cutebwd.fused_residual_rmsnorm_backward(go, x, None, r, w)
+            torch.ops.cutebwd.embedding_rmsnorm_backward_accumulate(dh, ids, x, r, w, table, gw)
+            return table + 1, gw * 2, dr
+
+    with FakeTensorMode():
+        go, x, _, r, w = _rms_inputs("cuda", batch=1, seq=64, hidden=128)
+        ids = torch.randint(0, 100, (1, 64), device="cuda")
+        table, gw = torch.empty(100, 128, device="cuda", dtype=torch.bfloat16), torch.empty(128, device="cuda")
+        graph = torch.export.export(Step(), (go, ids, x, r, w, table, gw)).run_decompositions().graph_module
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert "cutebwd.fused_residual_rmsnorm_backward.default" in targets
+    functional = [node for node in graph.graph.nodes if "auto_functionalized" in str(node.target)]
+    assert len(functional) == 1
+    assert functional[0].args[0] is torch.ops.cutebwd.embedding_rmsnorm_backward_accumulate.default
+
+
 def test_qkv_fake_implementation():
     *tensors, eps = PROBLEMS["qkv_qknorm_backward"].make_inputs(2, 16)  # on the CPU: only shapes matter
     with FakeTensorMode() as mode:
