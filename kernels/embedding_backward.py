@@ -18,8 +18,8 @@ rides with the sorted ids, so every kernel refuses bad ids before it writes anyt
   column sum.
 - Sorted beforehand: the index pass (our radix sort up to id_radix.MAX_TOKENS tokens and 2^24
   ids, on two digits up to 65536 ids and three above; RangeAndKeys, PyTorch's sort of int16
-  keys and WidenKeys above that many tokens; PyTorch's operations beyond) writes -1 as the first sorted id when an id is bad, and records the
-  range; the kernels check the sorted ends.
+  keys and WidenKeys above that many tokens; PyTorch's operations beyond) writes -1 as the
+  first sorted id when an id is bad, and records the range; the kernels check the sorted ends.
 With bad ids a caller's outputs are left untouched and the call's own are filled with NaN.
 The host learns of the error at its next call (errors.raise_pending), or at once with
 check_ids="now", which synchronizes.
@@ -624,8 +624,9 @@ class _Entry:
             sorted_ids, order = index.sorted_ids[:tokens], index.order[:tokens]
             two_digits = id_radix.digits_for(vocab_size) == 2
             mark = int(not self.accumulate and tokens <= EARLY_FILL_MAX_TOKENS and two_digits)
-            (self.run_radix_sort if two_digits else self.run_radix_sort_three_digits)(ids, index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order,
-                                self.record, index.marks, vocab_size, mark)
+            radix_sort = self.run_radix_sort if two_digits else self.run_radix_sort_three_digits
+            radix_sort(ids, index.counts, index.ranges, index.keys, index.tokens, sorted_ids, order, self.record,
+                       index.marks, vocab_size, mark)
             return sorted_ids, order, (index.marks, index.ranges, mark)
         if vocab_size <= KEYS_MAX_VOCAB:
             # One pass for the ids' ranges and int16 keys (two radix passes of PyTorch's sort

@@ -614,7 +614,6 @@ def model_form(weight, grad_weight) -> RowForm:
     return RowForm(grad=BFloat16, x=BFloat16, weight=weight, single_output=True, grad_weight=grad_weight)
 
 
-MODEL_WEIGHT_DTYPES = ("bfloat16", "float32")  # what model_form takes, by torch dtype name
 _model_entries: dict = {}  # (weight dtype, grad_weight dtype, hidden, device index) -> _FormEntry
 
 
@@ -624,8 +623,8 @@ def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
         out = bf16(rms_dx(grad * weight, x, rstd));  grad_weight = sum over rows of grad * x * rstd
 
     grad, x and out bf16 [b, s, H] (H a multiple of 8, row starts 16-byte aligned); rstd fp32
-    [b, s, 1]; weight and grad_weight [H], each bf16 or fp32 (MODEL_WEIGHT_DTYPES); grad_weight
-    is the fp32 sum rounded once, bitwise repeatable. The caller checks dtypes and shapes
+    [b, s, 1]; weight and grad_weight [H], each bf16 or fp32; grad_weight is the fp32 sum rounded
+    once, bitwise repeatable. The caller checks dtypes and shapes
     (kernels/modules.py); the C entry point checks them again with strides and alignment."""
     key = (weight.dtype, grad_weight.dtype, x.shape[-1], x.get_device())
     entry = _model_entries.get(key)
