@@ -67,6 +67,7 @@ def test_backwards_call_the_operators_only_under_compile(monkeypatch):
         assert torch_ops.op(name) is getattr(torch.ops.cutebwd, name)
 
 
+@pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")  # torch.export's own internals
 def test_export_functionalizes_the_accumulating_op():
     """torch.export (and torch.compile's AOT stage) turn the in-place accumulate op into a
     functional node over the tables it writes, with the other ops as they are."""
