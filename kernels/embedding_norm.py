@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..references.rmsnorm import normalized_dx
-from .modules import KERNEL_WEIGHT_DTYPES, kernel_reads, rms_norm_forward, weight_scale
+from .modules import kernel_reads, kernel_weight, rms_norm_forward
 from .torch_ops import op
 
 
@@ -50,11 +50,8 @@ class _EmbeddingNormFunction(torch.autograd.Function):
             grad_normed = torch.zeros_like(embeds)
         if grad_embeds is None:
             grad_embeds = torch.zeros_like(embeds)
-        # The weight the norm multiplies by: Gemma's fp32 1 + w, or the weight as it is where the
-        # kernel reads its dtype (then its gradient comes in that dtype too: no casts).
-        scale = norm_scale
-        if scale is None:
-            scale = norm_weight if norm_weight.dtype in KERNEL_WEIGHT_DTYPES else weight_scale(norm_weight, None)
+        # the norm weight's gradient comes in this weight's dtype
+        scale = kernel_weight(norm_weight, norm_scale)
         rows = (grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(), ctx.embed_scale)
         in_place = (not torch.compiler.is_compiling() and weight.grad is not None
                     and _kernel_table(weight.grad, weight))

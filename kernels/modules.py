@@ -121,11 +121,9 @@ class _RMSNormFunction(torch.autograd.Function):
             hidden = x.shape[-1]
             rows = (grad.reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
         if x.is_cuda and kernel_reads(x, grad):
-            # the weight (or Gemma's 1 + w) and its gradient in their dtypes: no casts, a launch each
-            multiplier, grad_dtype = (weight if scale is None else scale), weight.dtype
-            if grad_dtype not in KERNEL_WEIGHT_DTYPES:
-                multiplier, grad_dtype = multiplier.float(), torch.float32
-            grad_x, grad_weight = op("rmsnorm_backward")(*rows, multiplier, grad_dtype)
+            # the weight's gradient in its dtype where the kernel writes that: no cast, a launch
+            grad_dtype = weight.dtype if weight.dtype in KERNEL_WEIGHT_DTYPES else torch.float32
+            grad_x, grad_weight = op("rmsnorm_backward")(*rows, kernel_weight(weight, scale), grad_dtype)
         else:
             grad_x, grad_weight = _rmsnorm_backward_reference(*rows, weight_scale(weight, scale))
         return grad_x.view(x.shape), grad_weight.to(weight.dtype), None, None
@@ -150,6 +148,14 @@ def weight_scale(weight, one_plus_scale):
 
 
 KERNEL_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)  # norm weights the row kernels read as they are
+
+
+def kernel_weight(weight, one_plus_scale):
+    """The weight a row kernel multiplies by: Gemma's fp32 1 + w, else w as it is where the kernel
+    reads its dtype (no cast launch), else w in fp32."""
+    if one_plus_scale is not None:
+        return one_plus_scale
+    return weight if weight.dtype in KERNEL_WEIGHT_DTYPES else weight.float()
 
 
 def kernel_reads(*rows) -> bool:

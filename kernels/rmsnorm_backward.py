@@ -572,15 +572,16 @@ class _FormEntry:
         self.workspace = runtime.StreamWorkspace(self.max_ctas, hidden, device)
 
 
-_form_entries: dict = {}  # (form, hidden, device index) -> _FormEntry
+_form_entries: dict = {}  # (form tag, hidden, device index) -> _FormEntry
 
 
-def _form_entry(form: RowForm, x, read_normalized: bool, ctas_per_sm: int) -> _FormEntry:
-    """The form's entry for x's hidden size and device, made on its first call."""
-    key = (form, x.shape[-1], x.get_device())
+def _form_entry(tag, make_form, x, read_normalized: bool, ctas_per_sm: int) -> _FormEntry:
+    """The entry of the form `tag` names for x's hidden size and device, made on its first call
+    from make_form(): a tag hashes faster than the RowForm, and this lookup is on every call."""
+    key = (tag, x.shape[-1], x.get_device())
     entry = _form_entries.get(key)
     if entry is None:
-        entry = _form_entries[key] = _FormEntry(form, x.shape[-1], x.device, read_normalized, ctas_per_sm)
+        entry = _form_entries[key] = _FormEntry(make_form(), x.shape[-1], x.device, read_normalized, ctas_per_sm)
     return entry
 
 
@@ -596,7 +597,8 @@ def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, re
     [H], bitwise repeatable (per-CTA partials added in a fixed order). The caller checks dtypes and
     shapes; the C entry point checks them again with strides and alignment."""
     batch, seq, _ = x.shape
-    entry = _form_entry(DECODER_FORM, x, True, 1)  # one CTA per SM: its ring takes most of the shared memory
+    # one CTA per SM: its ring takes most of the shared memory
+    entry = _form_entry("decoder", lambda: DECODER_FORM, x, True, 1)
     rows = batch * seq
     if rows == 0:
         grad_weight.zero_()
@@ -614,9 +616,6 @@ def model_form(weight, grad_weight) -> RowForm:
     return RowForm(grad=BFloat16, x=BFloat16, weight=weight, single_output=True, grad_weight=grad_weight)
 
 
-_model_entries: dict = {}  # (weight dtype, grad_weight dtype, hidden, device index) -> _FormEntry
-
-
 def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
     """A plain RMSNorm's backward, one pass over the rows (model_form):
 
@@ -624,13 +623,10 @@ def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
 
     grad, x and out bf16 [b, s, H] (H a multiple of 8, row starts 16-byte aligned); rstd fp32
     [b, s, 1]; weight and grad_weight [H], each bf16 or fp32; grad_weight is the fp32 sum rounded
-    once, bitwise repeatable. The caller checks dtypes and shapes
-    (kernels/modules.py); the C entry point checks them again with strides and alignment."""
-    key = (weight.dtype, grad_weight.dtype, x.shape[-1], x.get_device())
-    entry = _model_entries.get(key)
-    if entry is None:
-        form = model_form(runtime.cute_dtype(weight.dtype), runtime.cute_dtype(grad_weight.dtype))
-        entry = _model_entries[key] = _FormEntry(form, x.shape[-1], x.device, False, GRID_CTAS_PER_SM)
+    once, bitwise repeatable. The caller checks dtypes and shapes (kernels/modules.py); the C
+    entry point checks them again with strides and alignment."""
+    entry = _form_entry((weight.dtype, grad_weight.dtype), lambda: model_form(
+        runtime.cute_dtype(weight.dtype), runtime.cute_dtype(grad_weight.dtype)), x, False, GRID_CTAS_PER_SM)
     batch, seq, _ = x.shape
     rows = batch * seq
     if rows == 0:
