@@ -135,16 +135,19 @@ class ColumnSumsInWarps:
 
 
 @cute.jit
-def add_column_slices(partials: cute.Tensor, out: cute.Tensor, threads: cutlass.Constexpr):
+def add_column_slices(partials: cute.Tensor, out: cute.Tensor, threads: cutlass.Constexpr, cta=None):
     """out = the column sums of fp32 partials [rows, columns] (out fp32, or bf16 rounded once), by
     every CTA of the grid, each adding a slice of the columns: a vector's rows go to `lanes`
     adjacent lanes of a warp (a power of two up to 32: as many as the slice leaves each vector),
     lane l adding rows l, l + lanes, ... in order, then a butterfly over the lanes. A thread's
     loads are independent, so they are in flight together (four a thread with a CTA per partial
     row, where a warp adding one vector at a time waited a round trip per vector). The order
-    depends only on the grid and the row count: bitwise repeatable."""
+    depends only on the grid and the row count: bitwise repeatable. `cta`: whose slice (this CTA's
+    by default)."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
+    if cutlass.const_expr(cta is not None):
+        bidx = cta
     ctas, _, _ = cute.arch.grid_dim()
     vectors, rows = partials.shape[1] // VECTOR, partials.shape[0]
     per_cta = (vectors + ctas - 1) // ctas

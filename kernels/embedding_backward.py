@@ -60,7 +60,7 @@ from cutlass import BFloat16, Float32, Int8, Int32, Int64, Uint32
 from . import errors, id_radix, runtime
 from .calls import KEY_ERRORS, CallCache
 from .column_sum import add_column_slices
-from .gemm.core import grid_barrier
+from .gemm.core import ARRIVALS_PER_USE
 from .segment_fixup import SegmentFixup, ids_in_range, owned_segment, range_start, segment_partial_row
 from .table_fill import FILL_ROWS, TableFill
 from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys, sort_ids
@@ -87,6 +87,13 @@ WINDOW_MARGIN = 8
 # 177.3, 8192 205.7 -> 203.0). Larger calls, whose walk sets their end, keep the plain build: the
 # early fill there was measured only in one build with the rest, whose code slowed their walk.
 EARLY_FILL_MAX_TOKENS = 12288
+# The one-launch build finishes without a co-residency guarantee (finish_in_grid): a CTA that has
+# waited this many SM clock cycles (~0.5 ms) for the others to walk takes it that some never
+# became resident, and leaves its finishing share to the last CTA to arrive.
+SETTLE_TIMEOUT_CYCLES = 1 << 20
+# A share's status word before its CTA decides: never a generation's target (a multiple of
+# ARRIVALS_PER_USE, "claimed") or target + 1 ("left to the last CTA").
+PENDING = 2
 
 
 class EmbeddingRmsNormBackward:
@@ -95,17 +102,20 @@ class EmbeddingRmsNormBackward:
     calls, which it does not serve (EARLY_FILL_MAX_TOKENS).
 
     `one_launch` (accumulate, ids sorted on chip): the fix-up and the weight gradient's column
-    sum run in the row kernel's own grid after a grid barrier (finish_in_grid), so the call is
-    one cooperative launch: small calls are bound by host time, ~3 us a launch."""
+    sum run in the row kernel's own grid once every CTA has walked (finish_in_grid), so the call
+    is one launch: small calls are bound by host time, ~3 us a launch. Not a cooperative launch,
+    which would keep the next call's grid from starting beside this one (PDL), and finishing
+    cannot hang where the grid is not co-resident."""
 
     def __init__(self, hidden: int, accumulate: bool, arch: str = "sm_90a", early_fill: bool = False,
-                 one_launch: bool = False, model: bool = False):
+                 one_launch: bool = False, model: bool = False, settle_timeout: int = SETTLE_TIMEOUT_CYCLES):
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden, self.accumulate, self.arch = hidden, accumulate, arch
         self.early_fill = early_fill and not accumulate
         self.one_launch = one_launch and accumulate
         self.model = model
+        self.settle_timeout = settle_timeout
         self.threads, self.vectors_per_thread, self.warps = thread_split(hidden, TARGET_VECTORS_PER_THREAD)
         # a token's row bytes: grad_output bf16, hidden_states fp32 (the model form's bf16, with
         # the residual branch's bf16 gradient), the table row with accumulate
@@ -141,11 +151,12 @@ class EmbeddingRmsNormBackward:
         """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32, [b, s], contiguous:
         the caller checks), each row-kernel CTA sorting them itself; CTA 0 leaves the sorted ids
         in `sorted_ids` (int32, at least as long) for the fix-up and bad ids' range in `record`
-        (errors.py). With `one_launch` the word past those holds the grid barrier's count."""
+        (errors.py). With `one_launch` the words past those hold the finish's arrival count and
+        a status word per CTA (finish_in_grid)."""
         # Read flat, as the [b, s] tensor itself: a reshape cost 2.6 us of host time a call.
         ids = cute.make_tensor(ids.iterator, cute.make_layout(cute.size(ids)))
         published = cute.make_tensor(sorted_ids.iterator, cute.make_layout(cute.size(ids)))
-        arrivals = cute.make_tensor(sorted_ids.iterator + SORT_ON_CHIP_MAX_TOKENS, cute.make_layout(1))
+        arrivals = cute.make_tensor(sorted_ids.iterator + SORT_ON_CHIP_MAX_TOKENS, cute.make_layout(ctas + 1))
         self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, record, table,
                     grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, arrivals=arrivals,
                     model=(residual_grad, embed_scale))
@@ -175,7 +186,7 @@ class EmbeddingRmsNormBackward:
                     sorted_ids, order, table, partials, carries, status, ids, record, marks, ranges, ctas,
                     walker_rows, poison, marked, *finish, residual_rows, embed_scale).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
-            cooperative=self.one_launch, **_occupancy(self.arch))  # one_launch: co-resident for its barrier
+            **_occupancy(self.arch))
         if cutlass.const_expr(not self.one_launch):
             # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch;
             # it zeroes the marks for the next call.
@@ -348,8 +359,8 @@ class EmbeddingRmsNormBackward:
         if bidx < ctas:
             store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
         if cutlass.const_expr(self.one_launch):
-            self.finish_in_grid(m_sorted, m_table, m_part, m_carry, m_wout, m_arrivals, ctas, (segment, xs, old),
-                                loads, tidx)
+            self.finish_in_grid(smem, m_sorted, m_table, m_part, m_carry, m_wout, m_arrivals, ctas,
+                                (segment, xs, old), loads, tidx)
         if cutlass.const_expr(not self.accumulate):
             # A fresh table is written whole, each row once (no fill beforehand): after its walk
             # each CTA fills its share of the rows no id touches (table_fill.py). After the walk, so
@@ -379,27 +390,95 @@ class EmbeddingRmsNormBackward:
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def finish_in_grid(self, m_sorted, m_table, m_part, m_carry, m_wout, m_arrivals, ctas, regs, loads, tidx):
-        """SegmentFixup's two jobs in the row kernel's grid (`one_launch`), once every CTA has
-        walked (a grid barrier): CTA a adds the segment range a owns, its partials in range
-        order, into the segment's table row, and every CTA adds up a slice of the weight
-        gradient's partial columns (a fixed order). Bad ids write nothing."""
+    def finish_in_grid(self, smem, m_sorted, m_table, m_part, m_carry, m_wout, m_words, ctas, regs, loads, tidx):
+        """SegmentFixup's two jobs in the row kernel's grid (`one_launch`) once every CTA has walked,
+        as `ctas` shares (finish_share): share a adds the segment range a owns into its table
+        row and a slice of the weight gradient's partial columns. m_words: [0] the arrival count
+        (never reset: each call adds ARRIVALS_PER_USE in all, as gemm.core.grid_barrier counts),
+        [1 + a] share a's status.
+
+        Each CTA marks its share pending and arrives. The last to arrive does its share, then
+        every share whose CTA left it. Any other CTA waits for the count to reach the call's
+        target: then it claims its share and does it; past SETTLE_TIMEOUT_CYCLES (some CTA of
+        the grid was never resident, held out by the waiting ones) it leaves the share and
+        exits, which frees its SM for the CTAs still to run. Co-resident grids (the usual case)
+        finish as after a grid barrier; none can hang. Bad ids write nothing."""
         bidx, _, _ = cute.arch.block_idx()
+        decision = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        count = m_words.iterator
+        cute.arch.barrier()  # this CTA's partials are written: thread 0's release below covers them
+        if tidx == 0:
+            m_words[1 + bidx] = Int32(PENDING)
+            share = Int32(1)
+            if bidx == 0:
+                share = Int32(ARRIVALS_PER_USE) - (ctas - 1)
+            found = cute.arch.atomic_add(count, share, sem="acq_rel", scope="gpu")
+            target = (found & Int32(-ARRIVALS_PER_USE)) + Int32(ARRIVALS_PER_USE)
+            last = Int32(found + share == target)
+            mine = Int32(1)
+            if last == 0:
+                start = cute.arch.clock64()
+                waiting = Int32(1)
+                while waiting == 1:
+                    if cute.arch.load(count, Int32, sem="acquire", scope="gpu") - target >= 0:
+                        waiting = Int32(0)
+                    elif cute.arch.clock64() - start > self.settle_timeout:
+                        waiting, mine = Int32(0), Int32(0)
+                cute.arch.store(count + 1 + bidx, target + 1 - mine, sem="release", scope="gpu")
+            decision[0] = mine
+            decision[1] = last
+            decision[2] = target
+        cute.arch.barrier()
+        mine, last, target = decision[0], decision[1], decision[2]
+        if mine == 1:
+            self.finish_share(bidx, m_sorted, m_table, m_part, m_carry, m_wout, ctas, regs, loads, tidx)
+        if last == 1:
+            # The shares other CTAs left: each thread reads the status of shares tidx, tidx +
+            # threads, ... (every CTA has arrived, so each is decided or about to be).
+            for first in cutlass.range(0, ctas, self.threads):
+                a = first + tidx
+                left = Int32(0)
+                if a < ctas and a != bidx:
+                    undecided = Int32(1)
+                    while undecided == 1:
+                        status = cute.arch.load(count + 1 + a, Int32, sem="acquire", scope="gpu")
+                        if status - target == 0:
+                            undecided = Int32(0)
+                        elif status - target == 1:
+                            undecided, left = Int32(0), Int32(1)
+                cute.arch.barrier()
+                if tidx == 0:
+                    decision[3] = Int32(0)
+                cute.arch.barrier()
+                if left == 1:
+                    decision[3] = Int32(1)  # every writer writes 1
+                cute.arch.barrier()
+                if decision[3] == 1:
+                    for j in cutlass.range(self.threads):
+                        if first + j < ctas:
+                            if cute.arch.load(count + 1 + first + j, Int32, sem="acquire", scope="gpu") - target == 1:
+                                self.finish_share(first + j, m_sorted, m_table, m_part, m_carry, m_wout, ctas, regs,
+                                                  loads, tidx)
+
+    @cute.jit
+    def finish_share(self, a, m_sorted, m_table, m_part, m_carry, m_wout, ctas, regs, loads, tidx):
+        """Share a of the finish: the segment range a owns, its partials in range order, added into
+        the segment's table row, and slice a of the weight gradient's columns (a fixed order:
+        the same bits whichever CTA does it)."""
         segment, staging, old = regs
         threads, vpt, vectors = self.threads, self.vectors_per_thread, self.hidden // VECTOR
-        grid_barrier(m_arrivals, tidx)
-        owns, vid, last_range = owned_segment(m_sorted, m_table.shape[0], bidx, cute.size(m_sorted), ctas)
+        owns, vid, last_range = owned_segment(m_sorted, m_table.shape[0], a, cute.size(m_sorted), ctas)
         if owns == 1:
             segment.fill(0.0)
-            for j in cutlass.range(last_range - bidx + 1):
-                read_row(loads, (m_carry[segment_partial_row(bidx, j), None],), (staging,), tidx, threads, vpt,
+            for j in cutlass.range(last_range - a + 1):
+                read_row(loads, (m_carry[segment_partial_row(a, j), None],), (staging,), tidx, threads, vpt,
                          vectors)
                 for k in cutlass.range_constexpr(vpt):
                     segment[None, k].store(segment[None, k].load() + staging[None, k].load())
             row = m_table[Int32(vid), None]
             _write_table_row(True, loads[0], segment, old, row, tidx, threads, vpt, vectors, row)
         if ids_in_range(m_sorted, m_table.shape[0]) == 1:
-            add_column_slices(m_part, m_wout, threads)
+            add_column_slices(m_part, m_wout, threads, a)
 
     @cute.jit
     def fetch(self, fetches, token_rows, m_rstd, m_table, ids, token, j, rows_ring, rstd_ring, slot, tidx):
@@ -499,11 +578,14 @@ def _build(hidden: int, accumulate: bool, norm_weight_dtype, arch: str, dump_dir
     `ids_dtype` the kernels read ids sorted beforehand, as int32 whatever the input's id dtype
     (see the call); with it (Int64 or Int32) the raw ids, sorted on chip. `early_fill` and
     `model`: EmbeddingRmsNormBackward's."""
-    # accumulating with ids sorted on chip: one launch (the calls are small)
+    # accumulating with ids sorted on chip: one launch (the calls are small); the finish's timeout
+    # read at build time, so a test can build one that never waits
     op = EmbeddingRmsNormBackward(hidden, accumulate, arch, early_fill, one_launch=ids_dtype is not None,
-                                  model=model)
+                                  model=model, settle_timeout=SETTLE_TIMEOUT_CYCLES)
     args, extras = _fake_args(hidden, norm_weight_dtype, ids_dtype, model)
     key = ("embedding_rmsnorm_backward", hidden, accumulate, str(norm_weight_dtype), str(ids_dtype), early_fill)
+    if ids_dtype is not None and accumulate:
+        key += (("settle timeout", SETTLE_TIMEOUT_CYCLES),)
     return runtime.compile_kernel(key + (("model form",) if model else ()),
                                   op if ids_dtype is None else op.sort_on_chip, *args, runtime.env_stream(), *extras,
                                   arch=arch, dump_dir=dump_dir, tvm_ffi=True)
@@ -660,8 +742,10 @@ class _Workspace(runtime.StreamWorkspace):
         import torch
 
         buffer = super()._new()
-        # the sorted ids, then the one-launch build's grid barrier count (zero before its first use)
-        return buffer, torch.zeros(SORT_ON_CHIP_MAX_TOKENS + 1, dtype=torch.int32, device=self.device)
+        # the sorted ids, then the one-launch build's arrival count (zero before its first use) and
+        # a status word per CTA (finish_in_grid)
+        words = SORT_ON_CHIP_MAX_TOKENS + 1 + self.shape[0]
+        return buffer, torch.zeros(words, dtype=torch.int32, device=self.device)
 
 
 def _call_key(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate):

@@ -97,6 +97,29 @@ def test_bitwise_repeatable_with_heavy_duplication():
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,same_ids", [(512, False), (1000, True)])
+def test_finish_left_to_the_last_cta_gives_the_same_bits(monkeypatch, tokens, same_ids):
+    """The one-launch accumulate build with a zero wait: every CTA but the last to arrive leaves
+    its finishing share (as where the grid is not co-resident), and the last does them all."""
+    from cutebwd.kernels import embedding_backward as op
+
+    inputs = PROBLEM.make_inputs(1, tokens, device="cuda", seed=6, same_ids=same_ids)
+    table = torch.randn(65536, 4096, device="cuda").bfloat16()
+
+    def accumulate():
+        out = (table.clone(), torch.full((4096,), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        kernel(*inputs, out=out, accumulate=True)
+        return out
+
+    want = accumulate()
+    monkeypatch.setattr(op, "SETTLE_TIMEOUT_CYCLES", 0)
+    monkeypatch.setattr(op, "_calls", op.CallCache(op._call_key, op._check_call, op._new_entry))
+    for _ in range(3):
+        got = accumulate()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # One call per index pass: (batch, seq, vocabulary, hidden). Ids sorted on chip; our radix sort
 # on two digits and on three (a Gemma-sized vocabulary); RangeAndKeys + PyTorch's int16 sort +
 # WidenKeys; PyTorch's operations for vocabularies above 2^24.
