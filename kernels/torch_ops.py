@@ -25,7 +25,8 @@ def _custom_op(name: str, mutates_args=()):
     """Defines torch.ops.cutebwd.<name> from the decorated function (the schema from its
     annotations, the function its implementation on every device) and keeps the function for
     `op`. torch.library's low-level API rather than custom_op, whose Python layer (argument
-    and aliasing checks on every call) measured 15 us a call against 2 on a CPU host."""
+    and aliasing checks on every call) cost 12 us a call on the H200's host (torch.ops
+    rmsnorm_backward 34 us a call against 22; the function alone 18-21)."""
     def register(function):
         _lib.define(name + torch.library.infer_schema(function, mutates_args=mutates_args))
         _lib.impl(name, function, "CompositeExplicitAutograd")
