@@ -12,19 +12,17 @@ embedding backward's model form (embedding_backward.embedding_norm_backward).
 The table's gradient: where `weight.grad` already holds one (gradient accumulation over micro
 batches, or a tied output projection whose gradient came first) the backward adds into it in
 place (accumulate=True: only the rows the ids name are read and written) and hands autograd
-nothing for the table; otherwise it writes a fresh table and hands that to autograd. Autograd
-still runs the parameter's accumulation node then, with nothing to add, so the hooks on it
-(post-accumulate hooks, DistributedDataParallel's reducer) run and read the summed gradient.
-Under torch.compile (which traces the backward) it is never in place: the
-fresh table comes from torch.ops.cutebwd.embedding_norm_backward. On CPU tensors and shapes the
-kernels do not take, the backward is the same arithmetic in PyTorch.
+nothing for the table (modules.gradient_to_add_into: eager, a pass that accumulates, no
+create_graph); otherwise it writes a fresh table and hands that to autograd (under torch.compile
+through torch.ops.cutebwd.embedding_norm_backward). On CPU tensors and shapes the kernels do not
+take, the backward is the same arithmetic in PyTorch.
 """
 from __future__ import annotations
 
 import torch
 
 from ..references.rmsnorm import normalized_dx
-from .modules import kernel_reads, kernel_weight, rms_norm_forward
+from .modules import gradient_to_add_into, kernel_reads, kernel_weight, rms_norm_forward
 from .torch_ops import op
 
 
@@ -53,10 +51,9 @@ class _EmbeddingNormFunction(torch.autograd.Function):
         # the norm weight's gradient comes in this weight's dtype
         scale = kernel_weight(norm_weight, norm_scale)
         rows = (grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(), ctx.embed_scale)
-        in_place = (not torch.compiler.is_compiling() and weight.grad is not None
-                    and _kernel_table(weight.grad, weight))
-        if in_place:
-            grad_norm_weight = _add_table_gradient(weight.grad, *rows, ctx.padding_idx)
+        into = gradient_to_add_into(weight)
+        if into is not None:
+            grad_norm_weight = _add_table_gradient(into, *rows, ctx.padding_idx)
             table = None
         else:
             table, grad_norm_weight = op("embedding_norm_backward")(*rows, weight.shape[0], ctx.padding_idx)
@@ -106,11 +103,6 @@ def _add_table_gradient(table, grad_normed, input_ids, embeds, rstd, scale, grad
                                                                 grad_embeds, embed_scale, table.shape[0], padding_idx)
     table.copy_(table.float() + fresh)
     return grad_norm_weight
-
-
-def _kernel_table(grad, weight) -> bool:
-    """A gradient the kernels can add into: the weight's shape, bf16, contiguous."""
-    return grad.dtype == torch.bfloat16 and grad.shape == weight.shape and grad.is_contiguous()
 
 
 def embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale: float,

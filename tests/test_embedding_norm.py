@@ -94,6 +94,20 @@ def test_accumulation_hooks_see_the_sum():
     torch.testing.assert_close(weight.grad.float(), before.float() + fresh, rtol=0.01, atol=0.05)
 
 
+def test_autograd_grad_leaves_an_existing_gradient_alone():
+    """autograd.grad (and backward(inputs=...) naming other tensors) never adds into `.grad`: the
+    table's gradient is returned, the existing one untouched."""
+    ids, weight, norm_weight, grads = _inputs("cpu")
+    before = torch.randn(weight.shape).to(torch.bfloat16)
+    weight.grad = before.clone()
+    (table,) = torch.autograd.grad(embedding_norm(ids, weight, norm_weight, 1e-6), [weight], grads)
+    norm_weight.requires_grad_()
+    torch.autograd.backward(embedding_norm(ids, weight, norm_weight, 1e-6), grads, inputs=[norm_weight])
+    assert torch.equal(weight.grad, before)
+    torch.testing.assert_close(table.float(), _gradients(embedding_norm, ids, weight, norm_weight, grads)[0],
+                               rtol=0.01, atol=0.05)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", FORMS)
 @pytest.mark.parametrize("batch,seq,repeats", [(2, 9, True), (4, 512, False), (2, 1500, True)])
