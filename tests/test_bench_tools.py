@@ -263,8 +263,8 @@ def test_056_cublas_baseline_is_the_layers_fourteen_products():
         (tokens, h), (q, h), (tokens, h), (kv, h), (tokens, h), (kv, h)]
 
 
-TOOLS_WITH_A_COMMAND_LINE = ("audit", "bench", "bench_epilogue", "bench_gemm", "bench_grouped", "compile_cache",
-                             "host_cost", "main", "parity", "sanitize", "tune", "train_step")
+TOOLS_WITH_A_COMMAND_LINE = ("audit", "bench", "bench_accumulate", "bench_epilogue", "bench_gemm", "bench_grouped",
+                             "compile_cache", "host_cost", "main", "parity", "sanitize", "tune", "train_step")
 
 
 @pytest.mark.parametrize("tool", TOOLS_WITH_A_COMMAND_LINE)
@@ -277,3 +277,21 @@ def test_every_tool_answers_help_with_its_usage(tool):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage:") and "--help" in done.stdout, done.stdout[:300]
+
+
+def test_accumulate_bench_reads_its_sizes():
+    from cutebwd.tools.bench_accumulate import parse_sizes
+
+    assert parse_sizes("128x1, 256x2") == [(128, 1), (256, 2)]
+    for bad in ("128", "0x1", "128x-1", "ax1"):
+        with pytest.raises(ValueError, match="SEQxBATCH"):
+            parse_sizes(bad)
+
+
+@pytest.mark.gpu
+def test_accumulate_bench_times_a_call_three_ways():
+    from cutebwd.tools.bench_accumulate import measure
+
+    row = measure(64, 2)
+    assert (row["seq"], row["batch"]) == (64, 2)
+    assert all(0 < row[key] < 1e4 for key in ("us", "gpu_us", "graph_us"))

@@ -81,6 +81,25 @@ def time_ms(fn, arg_sets, *, budget_ms: float = 40.0, repeats: int = 5, max_call
         return statistics.median(_loop_ms(fn, arg_sets, calls) for _ in range(repeats))
 
 
+def gpu_time_ms(fn, arg_sets, *, calls: int = 40, repeats: int = 5) -> float:
+    """Median milliseconds per call of fn(*args) on the GPU alone: the host queues `calls` calls
+    behind a ~2 ms device sleep, so none waits for its launch (what a training loop that runs
+    ahead of the GPU sees), events around them."""
+    fn(*arg_sets[0])  # warm-up
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda._sleep(3_000_000)  # clock cycles: ~2 ms, long enough to queue the calls
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def capture(call, warmup=None):
     """A CUDA graph of call(), made after warmup() (call() by default) ran on a side stream:
     what capture needs, lazy builds, allocations and per-stream workspaces made outside it."""
