@@ -87,17 +87,12 @@ def gpu_time_ms(fn, arg_sets, *, calls: int = 40, repeats: int = 5) -> float:
     ahead of the GPU sees), events around them."""
     fn(*arg_sets[0])  # warm-up
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
+
+    def behind_a_sleep():
         torch.cuda._sleep(3_000_000)  # clock cycles: ~2 ms, long enough to queue the calls
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(calls):
-            fn(*arg_sets[i % len(arg_sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+        return _loop_ms(fn, arg_sets, calls)
+
+    return statistics.median(behind_a_sleep() for _ in range(repeats))
 
 
 def capture(call, warmup=None):
