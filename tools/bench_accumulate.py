@@ -41,7 +41,7 @@ def measure(seq: int, batch: int) -> dict:
     first = tuple(t.cuda() for t in make_inputs(batch, seq))
     copies = timing.copies_to_escape_l2(sum(t.numel() * t.element_size() for t in first))
     sets = [first] + [tuple(t.cuda() for t in make_inputs(batch, seq, seed=s)) for s in range(1, copies)]
-    table = torch.randn(VOCAB, sets[0][0].shape[-1], device="cuda").to(torch.bfloat16)
+    table = torch.randn(VOCAB, sets[0][0].shape[-1], device="cuda", dtype=torch.bfloat16)
     grad_norm_weight = torch.empty_like(sets[0][-1])
 
     def call(*inputs):
