@@ -129,7 +129,7 @@ class EmbeddingRmsNormBackward:
                  norm_weight: cute.Tensor, sorted_ids: cute.Tensor, order: cute.Tensor, table: cute.Tensor,
                  grad_norm_weight: cute.Tensor, workspace: cute.Tensor, marks: cute.Tensor, ranges: cute.Tensor,
                  ctas: Int32, grid: Int32, walker_rows: Int32, poison: Int32, marked: Int32,
-                 stream: cuda.CUstream, residual_grad=None, embed_scale=None):
+                 stream: cuda.CUstream, residual_grad=None, embed_scale=None, padding=None):
         """The ids sorted beforehand (int32 sorted ids and their int64 order; the index pass
         records bad ids). Of `grid` CTAs the first `ctas` walk the sorted positions and all fill
         a fresh table (see `kernel`). `poison` (fresh tables): 1 where the outputs are the
@@ -140,14 +140,14 @@ class EmbeddingRmsNormBackward:
         embedding's scale (embedding_norm_backward)."""
         self.launch(grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, None, None, table,
                     grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream,
-                    (marks, ranges, marked), model=(residual_grad, embed_scale))
+                    (marks, ranges, marked), model=(residual_grad, embed_scale, padding))
 
     @cute.jit
     def sort_on_chip(self, grad_output: cute.Tensor, hidden_states: cute.Tensor, rstd: cute.Tensor,
                      norm_weight: cute.Tensor, ids: cute.Tensor, sorted_ids: cute.Tensor, record: cute.Tensor,
                      table: cute.Tensor, grad_norm_weight: cute.Tensor, workspace: cute.Tensor, ctas: Int32,
                      grid: Int32, walker_rows: Int32, poison: Int32, stream: cuda.CUstream, residual_grad=None,
-                     embed_scale=None):
+                     embed_scale=None, padding=None):
         """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32, [b, s], contiguous:
         the caller checks), each row-kernel CTA sorting them itself; CTA 0 leaves the sorted ids
         in `sorted_ids` (int32, at least as long) for the fix-up and bad ids' range in `record`
@@ -159,12 +159,12 @@ class EmbeddingRmsNormBackward:
         arrivals = cute.make_tensor(sorted_ids.iterator + SORT_ON_CHIP_MAX_TOKENS, cute.make_layout(ctas + 1))
         self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, record, table,
                     grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, arrivals=arrivals,
-                    model=(residual_grad, embed_scale))
+                    model=(residual_grad, embed_scale, padding))
 
     @cute.jit
     def launch(self, grad_output, hidden_states, rstd, norm_weight, sorted_ids, order, ids, record, table,
                grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, radix=None, arrivals=None,
-               model=(None, None)):
+               model=(None, None, None)):
         """workspace rows: [0, ctas) grad_norm_weight partials (fp32 whatever its dtype); ctas + 2c
         and ctas + 2c + 1 the head and tail segment partials of range c; the last row's first
         element the id status (ColumnSum's `skip`: 0 in range, 1 bad ids, 2 bad ids with
@@ -180,24 +180,24 @@ class EmbeddingRmsNormBackward:
         # sort's marks, which have counters of their own).
         marks, ranges, marked = radix if radix is not None and self.early_fill else (None, None, Int32(0))
         finish = (grad_norm_weight, arrivals) if self.one_launch else (None, None)
-        residual_grad, embed_scale = model
+        residual_grad, embed_scale, padding = model
         residual_rows = rows_view(residual_grad) if residual_grad is not None else None
         self.kernel(rows_view(grad_output), rows_view(hidden_states), rows_view(rstd)[None, 0], norm_weight,
                     sorted_ids, order, table, partials, carries, status, ids, record, marks, ranges, ctas,
-                    walker_rows, poison, marked, *finish, residual_rows, embed_scale).launch(
+                    walker_rows, poison, marked, *finish, residual_rows, embed_scale, padding).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True,
             **_occupancy(self.arch))
         if cutlass.const_expr(not self.one_launch):
             # The fix-up and grad_norm_weight's fixed-order sum (stored in its dtype), one launch;
             # it zeroes the marks for the next call.
             self.fixup(sorted_ids, table, carries, ctas, partials, grad_norm_weight, status, stream,
-                       ids_ready=ids is None, zeroed=marks)
+                       ids_ready=ids is None, zeroed=marks, padding=padding)
 
     @cute.kernel
     def kernel(self, m_go: cute.Tensor, m_x: cute.Tensor, m_rstd: cute.Tensor, m_w: cute.Tensor,
                m_sorted: cute.Tensor, m_order, m_table: cute.Tensor, m_part: cute.Tensor,
                m_carry: cute.Tensor, m_status: cute.Tensor, m_ids, m_record, m_marks, m_ranges, ctas: Int32,
-               walker_rows: Int32, poison: Int32, marked: Int32, m_wout, m_arrivals, m_res, embed_scale):
+               walker_rows: Int32, poison: Int32, marked: Int32, m_wout, m_arrivals, m_res, embed_scale, padding):
         """CTAs [0, ctas) walk ranges of the sorted positions (at least one each); every CTA of
         the grid fills its share of a fresh table, so a short call still fills with the whole
         GPU. Each CTA fills after its walk, so CTAs with short walks fill while others still
@@ -339,8 +339,9 @@ class EmbeddingRmsNormBackward:
                     old_row = row
                     if cutlass.const_expr(ring > 0 and self.accumulate):
                         old_row = rows_ring[len(token_rows)][None, slot]
-                    _write_table_row(self.accumulate, loads[0], segment, old, row, tidx, threads, vpt, vectors,
-                                     old_row)
+                    if _written(self.accumulate, segment, vid, padding) == 1:
+                        _write_table_row(self.accumulate, loads[0], segment, old, row, tidx, threads, vpt, vectors,
+                                         old_row)
                 segment.fill(0.0)
             if cutlass.const_expr(ring > 0):
                 # The slot refilled here held position p - 1, which this thread has already read.
@@ -359,7 +360,7 @@ class EmbeddingRmsNormBackward:
         if bidx < ctas:
             store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
         if cutlass.const_expr(self.one_launch):
-            self.finish_in_grid(smem, m_sorted, m_table, m_part, m_carry, m_wout, m_arrivals, ctas,
+            self.finish_in_grid(smem, m_sorted, m_table, m_part, m_carry, m_wout, padding, m_arrivals, ctas,
                                 (segment, xs, old), loads, tidx)
         if cutlass.const_expr(not self.accumulate):
             # A fresh table is written whole, each row once (no fill beforehand): after its walk
@@ -390,7 +391,8 @@ class EmbeddingRmsNormBackward:
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def finish_in_grid(self, smem, m_sorted, m_table, m_part, m_carry, m_wout, m_words, ctas, regs, loads, tidx):
+    def finish_in_grid(self, smem, m_sorted, m_table, m_part, m_carry, m_wout, padding, m_words, ctas, regs, loads,
+                       tidx):
         """SegmentFixup's two jobs in the row kernel's grid (`one_launch`) once every CTA has walked,
         as `ctas` shares (finish_share): share a adds the segment range a owns into its table
         row and a slice of the weight gradient's partial columns. m_words: [0] the arrival count
@@ -431,7 +433,7 @@ class EmbeddingRmsNormBackward:
         cute.arch.barrier()
         mine, last, target = decision[0], decision[1], decision[2]
         if mine == 1:
-            self.finish_share(bidx, m_sorted, m_table, m_part, m_carry, m_wout, ctas, regs, loads, tidx)
+            self.finish_share(bidx, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx)
         if last == 1:
             # The shares other CTAs left: each thread reads the status of shares tidx, tidx +
             # threads, ... (every CTA has arrived, so each is decided or about to be).
@@ -457,11 +459,11 @@ class EmbeddingRmsNormBackward:
                     for j in cutlass.range(self.threads):
                         if first + j < ctas:
                             if cute.arch.load(count + 1 + first + j, Int32, sem="acquire", scope="gpu") - target == 1:
-                                self.finish_share(first + j, m_sorted, m_table, m_part, m_carry, m_wout, ctas, regs,
-                                                  loads, tidx)
+                                self.finish_share(first + j, m_sorted, m_table, m_part, m_carry, m_wout, padding,
+                                                  ctas, regs, loads, tidx)
 
     @cute.jit
-    def finish_share(self, a, m_sorted, m_table, m_part, m_carry, m_wout, ctas, regs, loads, tidx):
+    def finish_share(self, a, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx):
         """Share a of the finish: the segment range a owns, its partials in range order, added into
         the segment's table row, and slice a of the weight gradient's columns (a fixed order:
         the same bits whichever CTA does it)."""
@@ -476,7 +478,8 @@ class EmbeddingRmsNormBackward:
                 for k in cutlass.range_constexpr(vpt):
                     segment[None, k].store(segment[None, k].load() + staging[None, k].load())
             row = m_table[Int32(vid), None]
-            _write_table_row(True, loads[0], segment, old, row, tidx, threads, vpt, vectors, row)
+            if _written(True, segment, vid, padding) == 1:
+                _write_table_row(True, loads[0], segment, old, row, tidx, threads, vpt, vectors, row)
         if ids_in_range(m_sorted, m_table.shape[0]) == 1:
             add_column_slices(m_part, m_wout, threads, a)
 
@@ -528,6 +531,20 @@ def _segment_ends(ids, j) -> Int32:
 
 
 @cute.jit
+def _written(accumulate: cutlass.Constexpr, segment, vid, padding) -> Int32:
+    """Whether id vid's table row is written from `segment`: the model form's padding id gets no
+    gradient (torch.nn.Embedding's padding_idx), so its row stays as it was with accumulate and
+    is written as zeros in a fresh table (the fill skips rows ids touch)."""
+    written = Int32(1)
+    if cutlass.const_expr(padding is not None):
+        if vid == padding:
+            segment.fill(0.0)
+            if cutlass.const_expr(accumulate):
+                written = Int32(0)
+    return written
+
+
+@cute.jit
 def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tidx, threads: cutlass.Constexpr,
                      vpt: cutlass.Constexpr, vectors: cutlass.Constexpr, old_row):
     """row = bf16(segment), or bf16(fp32(old_row) + segment) when accumulating (old_row: the
@@ -567,7 +584,7 @@ def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None, model: bool = Fal
     table = runtime.fake_tensor(BFloat16, (vocab, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 8)
     workspace = runtime.fake_tensor(Float32, (workspace_rows, hidden), (cute.sym_int64(divisibility=VECTOR), 1), 16)
     x_dtype = BFloat16 if model else Float32
-    extras = (fake_rows(BFloat16, batch, seq, hidden), Float32(1.0)) if model else ()
+    extras = (fake_rows(BFloat16, batch, seq, hidden), Float32(1.0), Int32(-1)) if model else ()
     return (fake_rows(BFloat16, batch, seq, hidden), fake_rows(x_dtype, batch, seq, hidden), rstd, norm_weight,
             *index, table, grad_norm_weight, workspace, *radix, Int32(1), Int32(1), Int32(1), Int32(0), *marked), extras
 
@@ -882,9 +899,9 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
 
 
 def _launch(entry, tokens: int, grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size: int, table,
-            grad_norm_weight, poison: int, model=(None, None)):
+            grad_norm_weight, poison: int, model=(None, None, None)):
     """The index pass where the call's size needs one, then the row kernel's FFI call (with the
-    fix-up); `model`: the model form's (residual_grad, embed_scale)."""
+    fix-up); `model`: the model form's (residual_grad, embed_scale, padding id or -1)."""
     workspace, sorted_on_chip = entry.workspace.get()
     ctas, grid, walker_rows = _split(tokens, vocab_size, entry.max_ctas, entry.accumulate)
     if tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB:
@@ -908,7 +925,7 @@ _model_entries: dict = {}  # (hidden, accumulate, ids dtype, norm_weight dtype, 
 
 
 def embedding_norm_backward(grad_normed, input_ids, embeds, rstd, norm_weight, residual_grad, embed_scale: float,
-                            table, grad_norm_weight, *, accumulate: bool, poison: bool):
+                            table, grad_norm_weight, *, accumulate: bool, poison: bool, padding_idx=None):
     """A model's embedding lookup and first RMSNorm, backward (kernels/embedding_norm.py's
     embedding_norm): embeds = embed_scale * table rows, the norm reads embeds and the residual
     branch carries them on, so (w = norm_weight, the weight the norm multiplies by: Gemma's 1 + w)
@@ -922,7 +939,9 @@ def embedding_norm_backward(grad_normed, input_ids, embeds, rstd, norm_weight, r
     [b, s, 1]; norm_weight and grad_norm_weight [H], both fp32 or both bf16; table bf16 [V, H]. The caller checks
     dtypes and shapes; the C entry point checks them again with strides and alignment. Ids outside
     [0, V) are caught on the device and reported at a later call (check_ids="deferred"): then
-    nothing is written, or, with `poison` (outputs the caller made for this call), NaN."""
+    nothing is written, or, with `poison` (outputs the caller made for this call), NaN.
+    `padding_idx` (torch.nn.Embedding's): that row gets no gradient, zero in a fresh table and
+    left as it was with accumulate."""
     key = (embeds.shape[-1], bool(accumulate), input_ids.dtype, norm_weight.dtype, embeds.get_device())
     entry = _model_entries.get(key)
     if entry is None:
@@ -935,8 +954,9 @@ def embedding_norm_backward(grad_normed, input_ids, embeds, rstd, norm_weight, r
             table.zero_()
         grad_norm_weight.zero_()
         return
+    padding = -1 if padding_idx is None else int(padding_idx)  # an id no token has: none
     _launch(entry, tokens, grad_normed, input_ids, embeds, rstd, norm_weight, table.shape[0], table,
-            grad_norm_weight, int(poison), (residual_grad, float(embed_scale)))
+            grad_norm_weight, int(poison), (residual_grad, float(embed_scale), padding))
 
 
 # The benchmark's calls (bf16 norm_weight, a fresh table: ids sorted on chip up to

@@ -76,9 +76,7 @@ def fresh_table_gradient(grad_normed, input_ids, embeds, rstd, scale, grad_embed
         table = embeds.new_empty((vocab, embeds.shape[-1]))
         grad_norm_weight = torch.empty_like(scale)
         embedding_norm_backward(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale, table,
-                                grad_norm_weight, accumulate=False, poison=True)
-        if padding_idx is not None:  # the kernel adds every id's rows
-            table[padding_idx] = 0
+                                grad_norm_weight, accumulate=False, poison=True, padding_idx=padding_idx)
         return table, grad_norm_weight
     fresh, grad_norm_weight = embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale,
                                                                 grad_embeds, embed_scale, vocab, padding_idx)
@@ -92,12 +90,9 @@ def _add_table_gradient(table, grad_normed, input_ids, embeds, rstd, scale, grad
     if embeds.is_cuda and kernel_reads(embeds, grad_normed, grad_embeds):
         from .embedding_backward import embedding_norm_backward
 
-        kept = table[padding_idx].clone() if padding_idx is not None else None
         grad_norm_weight = torch.empty_like(scale)
         embedding_norm_backward(grad_normed, input_ids, embeds, rstd, scale, grad_embeds, embed_scale, table,
-                                grad_norm_weight, accumulate=True, poison=False)
-        if kept is not None:  # the kernel adds every id's rows: the padding row as it was
-            table[padding_idx] = kept
+                                grad_norm_weight, accumulate=True, poison=False, padding_idx=padding_idx)
         return grad_norm_weight
     fresh, grad_norm_weight = embedding_norm_backward_reference(grad_normed, input_ids, embeds, rstd, scale,
                                                                 grad_embeds, embed_scale, table.shape[0], padding_idx)

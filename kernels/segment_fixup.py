@@ -106,23 +106,24 @@ class SegmentFixup:
     @cute.jit
     def __call__(self, sorted_ids: cute.Tensor, table: cute.Tensor, carries: cute.Tensor, ctas: Int32,
                  partials: cute.Tensor, grad_weight: cute.Tensor, skip: cute.Tensor, stream: cuda.CUstream,
-                 ids_ready: cutlass.Constexpr = True, zeroed=None):
+                 ids_ready: cutlass.Constexpr = True, zeroed=None, padding=None):
         """The fix-up of `ctas` ranges, and grad_weight = the column sums of `partials` (skip:
-        ColumnSum's); `zeroed` (int32, optional) is zeroed once the kernel before has ended."""
-        self.kernel(sorted_ids, table, carries, ctas, partials, grad_weight, skip, zeroed, ids_ready).launch(
+        ColumnSum's); `zeroed` (int32, optional) is zeroed once the kernel before has ended;
+        `padding` (optional): an id whose row gets no gradient (the row kernel's `_written`)."""
+        self.kernel(sorted_ids, table, carries, ctas, partials, grad_weight, skip, zeroed, padding, ids_ready).launch(
             grid=[ctas * self.column_blocks + self.column_sum.ctas, 1, 1], block=[32 * self.WARPS, 1, 1],
             stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor, ctas: Int32,
-               m_part: cute.Tensor, m_weight: cute.Tensor, m_skip: cute.Tensor, m_zeroed,
+               m_part: cute.Tensor, m_weight: cute.Tensor, m_skip: cute.Tensor, m_zeroed, padding,
                ids_ready: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         fixups = ctas * self.column_blocks
         if bidx < fixups:
             self.fix(m_sorted, m_table, m_carry, ids_ready, bidx // self.column_blocks, bidx % self.column_blocks,
-                     ctas, tidx)
+                     ctas, padding, tidx)
         else:
             self.column_sum.sum(m_part, m_weight, m_skip, bidx - fixups, tidx)  # waits on griddepcontrol
             if cutlass.const_expr(m_zeroed is not None):
@@ -133,8 +134,10 @@ class SegmentFixup:
 
     @cute.jit
     def fix(self, m_sorted: cute.Tensor, m_table: cute.Tensor, m_carry: cute.Tensor, ids_ready: cutlass.Constexpr,
-            a, column_block, ctas, tidx):
-        """The segment range a owns, if any: its columns of column block `column_block`."""
+            a, column_block, ctas, padding, tidx):
+        """The segment range a owns, if any: its columns of column block `column_block`. The
+        padding id's row (if any) stays as it was with accumulate, and is written as zeros in a
+        fresh table."""
         lane, warp = tidx % 32, tidx // 32
         tokens = cute.size(m_sorted)
         smem = cutlass.memory.SmemAllocator()
@@ -148,6 +151,12 @@ class SegmentFixup:
         owns, vid, last_range = owned_segment(m_sorted, m_table.shape[0], a, tokens, ctas)
         if cutlass.const_expr(ids_ready):
             cute.arch.griddepcontrol_wait()  # the partials and table rows are written past this point
+        zero = Int32(0)
+        if cutlass.const_expr(padding is not None):
+            if vid == padding:
+                zero = Int32(1)
+                if cutlass.const_expr(self.accumulate):
+                    owns = Int32(0)
         if owns == 1:
             acc = cute.make_rmem_tensor((VECTOR, self.LANE_VECTORS), Float32)
             staging = cute.make_rmem_tensor((VECTOR,), Float32)
@@ -173,5 +182,7 @@ class SegmentFixup:
                 if cutlass.const_expr(self.accumulate):
                     cute.copy(bf16, vector(row, v), out)
                     total.store(total.load() + out.load().to(Float32))
+                if zero == 1:  # a fresh table's padding row
+                    total.fill(0.0)
                 out.store(total.load().to(BFloat16))
                 cute.copy(bf16, out, vector(row, v))

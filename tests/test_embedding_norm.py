@@ -139,6 +139,29 @@ def test_padding_row_gets_no_gradient():
         assert torch.equal(weight.grad[padding], before[padding]) and not torch.equal(weight.grad, before)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [400, 1500])
+def test_padding_row_with_its_segment_cut_across_ranges(seq):
+    """Eight ids on many tokens, so the padding id's segment spans several CTAs' ranges: ids
+    sorted on chip (800 tokens: the fix-up kernel fresh, the one-launch finish with accumulate)
+    and by the radix sort (3000 tokens: the fix-up kernel), a fresh table and one added into,
+    against the CPU arithmetic; the padding row zero, then left as it was."""
+    ids, weight, norm_weight, grads = _inputs("cuda", hidden=256, seq=seq)
+    padding = int(ids[0, 0])
+    want = _gradients(embedding_norm, ids.cpu(), weight.cpu(), norm_weight.cpu(), [g.cpu() for g in grads],
+                      padding_idx=padding)[0]
+    w = weight.detach().clone().requires_grad_()
+    torch.autograd.backward(embedding_norm(ids, w, norm_weight, 1e-6, padding_idx=padding), grads)
+    fresh = w.grad.clone()
+    assert not fresh[padding].any()
+    torch.testing.assert_close(fresh.float().cpu(), want, rtol=0.01, atol=1e-2)
+    w.grad[padding] = 1.5
+    torch.autograd.backward(embedding_norm(ids, w, norm_weight, 1e-6, padding_idx=padding), grads)
+    assert (w.grad[padding] == 1.5).all()
+    rows = torch.arange(w.shape[0]) != padding
+    torch.testing.assert_close(w.grad.float().cpu()[rows], (fresh.float().cpu() + want)[rows], rtol=0.02, atol=2e-2)
+
+
 def test_distributed_data_parallel_reduces_the_summed_table(tmp_path):
     """Under DistributedDataParallel (one gloo process), micro-batches under no_sync and a last
     synchronizing one give the same model's gradients without it, bitwise: the reducer reads the
