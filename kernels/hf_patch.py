@@ -8,7 +8,7 @@ What is swapped, by model family:
   the kernel reads the attention: one kv head (Gemma-3-270m, 1B), no bias; elsewhere (Gemma-3-4B
   and up) the attention stays as it is, its Q/K norms with the others, and `Patch.left` says
   why. Its other RMSNorm layers (four a decoder layer, the final norm) run as modules.rms_norm
-  with scale 1 + w.
+  with scale 1 + w. Its MLPs (gelu_tanh(gate) * up, no biases) run as geglu_mlp.geglu_mlp.
 - Qwen3 and Mistral: every RMSNorm layer (two a decoder layer, Qwen3's Q/K norms, the final
   norm) runs as modules.rms_norm, whose backward is the RMSNorm row kernel. Their attention has
   several kv heads, which the QKV kernel does not read, so it stays as it is.
@@ -41,6 +41,7 @@ import types
 import torch
 
 from .embedding_norm import embedding_norm
+from .geglu_mlp import geglu_mlp
 from .modules import GemmaQKVNorm, rms_norm
 
 # RMSNorm classes by family, and whether they scale by 1 + w
@@ -100,6 +101,9 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     norms = [(name, m) for name, m in all_norms if id(m) not in fused_norms]
     for name, norm in norms:
         _check_norm(name, norm)
+    mlps = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Gemma3MLP"]
+    for name, mlp in mlps:
+        _check_geglu_mlp(name, mlp)
     for name, attention, fused in fused_layers:
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
@@ -114,10 +118,35 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     for name, text_model in embeddings:
         _route_embedding(text_model, result)
         result.replaced.append(name)
+    for name, mlp in mlps:
+        _route_geglu_mlp(mlp, result)
+        result.replaced.append(name)
     for name, layer in layers if decoder_layers else ():
         _route_whole_layer(layer, result)
         result.replaced.append(name)
     return result
+
+
+def _check_geglu_mlp(name: str, mlp):
+    """Raises ValueError where geglu_mlp does not compute the MLP's forward."""
+    activation = getattr(mlp.config, "hidden_activation", None)
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"cutebwd.patch: {name}: activation {activation!r} (the backward's is gelu_pytorch_tanh)")
+    if any(p.bias is not None for p in projections):
+        raise ValueError(f"cutebwd.patch: {name}: a projection has a bias (the backward has none)")
+    if any(p.weight.dtype != torch.bfloat16 for p in projections):
+        raise ValueError(f"cutebwd.patch: {name}: the kernels take bf16 parameters, got "
+                         f"{sorted({str(p.weight.dtype) for p in projections})}")
+
+
+def _route_geglu_mlp(mlp, result: Patch):
+    """The MLP's forward, bound on the instance: the same output through geglu_mlp."""
+    def forward(self, x):
+        return geglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+    mlp.forward = types.MethodType(forward, mlp)
+    result._restore.append(mlp)
 
 
 def _check_whole_layer(name: str, layer):

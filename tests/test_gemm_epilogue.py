@@ -106,6 +106,21 @@ def test_dswiglu_epilogue_matches_autograd(m, n, k, stream_k, tiling):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiling", [None, GemmTiling(pingpong=True, cluster_m=2)], ids=lambda t: t.spec if t else "default")
+@pytest.mark.parametrize("m,n,k,stream_k", [(300, 520, 200, None), (2048, 2048, 640, None), (1000, 776, 2600, True)])
+def test_dgeglu_epilogue_matches_autograd(m, n, k, stream_k, tiling):
+    """Gemma's down-projection product g_h = g_y . Wd with g_gate and g_up made from its
+    accumulator: against autograd of gelu_tanh(gate) * up in fp32."""
+    go, wd_t, g = _operands(m, n, k, seed=m * 5 + n)
+    gate, up = ((3 * torch.randn(m, n, device="cuda", generator=g)).bfloat16() for _ in range(2))
+    g_h = go.float() @ wd_t.float().t()
+    gate32, up32 = gate.float().requires_grad_(), up.float().requires_grad_()
+    (torch.nn.functional.gelu(gate32, approximate="tanh") * up32).backward(g_h)
+    got = matmul_nt(go, wd_t, epilogue="dgeglu", inputs=(gate, up), tiling=tiling, stream_k=stream_k)
+    assert _close(got[0], gate32.grad) and _close(got[1], up32.grad)
+
+
+@pytest.mark.gpu
 def test_dswiglu_allocates_its_outputs_and_repeats_bitwise():
     go, wd_t, g = _operands(256, 640, 320, seed=5)
     gate, up, silu_up = (torch.randn(256, 640, device="cuda", generator=g).bfloat16() for _ in range(3))

@@ -58,10 +58,10 @@ def matmul_nt_batched(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | No
     if out is None:
         out4 = torch.empty((l1, l2, m, n), dtype=call.out_dtype, device=call.device)
         out = out4.view(*batch_shape, m, n)
-    if epilogue == "dswiglu" and out2 is None:
+    if epilogue in TWO_OUTPUTS and out2 is None:
         out2_4 = torch.empty((l1, l2, m, n), dtype=torch.bfloat16, device=call.device)
         out2 = out2_4.view(*batch_shape, m, n)
-    results = (out, out2) if epilogue == "dswiglu" else out
+    results = (out, out2) if epilogue in TWO_OUTPUTS else out
     if l1 * l2 * m * n:
         run_call(call, a4, b4, out4, epilogue, inputs4, out2_4, rows4, alpha,
                  lambda: _check_batch(a4, b4, out4, c_dtype, epilogue, inputs4, out2_4, rows4, alpha, group_sum))

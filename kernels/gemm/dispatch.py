@@ -14,7 +14,7 @@ from .. import runtime
 from ..calls import KEY_ERRORS, CallCache
 from . import sm90, sm100
 from .core import NO_EPILOGUE_TENSORS
-from .epilogue import ADD, KINDS, STORE, Epilogue, check_epilogue_tensors
+from .epilogue import ADD, KINDS, STORE, TWO_OUTPUTS, Epilogue, check_epilogue_tensors
 
 # The per-arch main loops: Hopper's warpgroup MMAs, Blackwell's tcgen05 (B200 and B300 alike).
 MAIN_LOOPS = {"sm_90a": sm90, "sm_100a": sm100, "sm_103a": sm100}
@@ -293,7 +293,8 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
 
     epilogue (epilogue.py, bf16 out only): "store" (out = A . B^T); "add" (out += A . B^T,
     out required); "dswiglu" (inputs=(gate, up, silu_up), bf16 [M, N]: out = grad_gate, out2 = grad_up,
-    allocated when not given; returns (out, out2)); "row_dot" (inputs=(x,), bf16 [M, N]: out =
+    allocated when not given; returns (out, out2)); "dgeglu" (inputs=(gate, up), the same outputs
+    for h = gelu_tanh(gate) * up); "row_dot" (inputs=(x,), bf16 [M, N]: out =
     A . B^T, and `rows`, fp32 [M, G], required: rows[i, j] = sum over the j-th group of N / G
     columns of the product as stored (bf16) times x, e.g. per attention head; the tiles are N / G wide;
     returns (out, rows)); "softmax_bwd" (inputs=(p,), bf16 [M, N], and `rows`, fp32 [M],
@@ -317,11 +318,11 @@ def matmul_nt(a, b, *, out=None, out_dtype=None, tiling: GemmTiling | None = Non
     except KEY_ERRORS:
         call = _calls.first_call(*call_args)
     m, n = a.shape[0], b.shape[0]
-    if epilogue == "dswiglu" and out2 is None:
+    if epilogue in TWO_OUTPUTS and out2 is None:
         out2 = torch.empty((m, n), dtype=torch.bfloat16, device=call.device)
     if out is None:
         out = torch.empty((m, n), dtype=call.out_dtype, device=call.device)
-    results = (out, out2) if epilogue == "dswiglu" else (out, rows) if epilogue == "row_dot" else out
+    results = (out, out2) if epilogue in TWO_OUTPUTS else (out, rows) if epilogue == "row_dot" else out
     if m and n:
         run_call(call, a, b, out, epilogue, inputs, out2, rows, alpha,
                  lambda: check_call(a, b, out, c_dtype, epilogue_kind(epilogue, alpha), inputs, out2, rows))
@@ -352,6 +353,8 @@ def epilogue_arguments(epilogue: str, out, inputs, out2, rows):
         return out, None, None, None
     if epilogue == "dswiglu":
         return *inputs, out2
+    if epilogue == "dgeglu":
+        return *inputs, None, out2
     if epilogue == "rope_inverse":
         return *inputs, None, None
     return *inputs, None, None, rows  # row_dot, softmax_bwd: one input and the per-row tensor

@@ -15,6 +15,9 @@ Kinds:
 - DSWIGLU: from g_sw = acc with gate, up and silu_up (the decoder layer's: silu on `up`),
   grad_gate = g_sw * silu_up and grad_up = g_sw * gate * sig(up) * (1 + up * (1 - sig(up)));
   silu_up is read, not recomputed from up: the benchmark's inputs are independent draws;
+- DGEGLU: from g_h = acc with gate and up (Gemma's MLP: h = gelu_tanh(gate) * up),
+  grad_gate = g_h * up * gelu_tanh'(gate) and grad_up = g_h * gelu_tanh(gate); gelu_tanh is
+  recomputed from gate (a tanh a element, MUFU), not read;
 - ROW_DOT: C = acc, and per row the fp32 dot of C (as stored, bf16) with an input x over each
   tile's columns: rows[i, j] = sum over tile column j of C[i, c] * x[i, c] (the `rows` tensor,
   [M, N / tile_n], tile_n the column group). The decoder layer's softmax backward needs D =
@@ -35,6 +38,8 @@ import dataclasses
 
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
+
+from ..geglu_mlp import GELU_TANH_K0, GELU_TANH_K1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +109,21 @@ def _dswiglu(g_sw, gate, up, silu_up):
     return g_sw * silu_up, g_sw * sig * gate * (1.0 + (up - up * sig))
 
 
+def _dgeglu(g_h, gate, up):
+    # gelu(x) = x (1 + t) / 2, t = tanh(k0 (x + k1 x^3)); gelu'(x) = (1 + t) / 2 + x (1 - t^2) k0 (1 + 3 k1 x^2) / 2
+    x2 = gate * gate
+    t = cute.math.tanh(GELU_TANH_K0 * gate * (1.0 + GELU_TANH_K1 * x2), fastmath=True)
+    half = 0.5 * (1.0 + t)
+    slope = half + 0.5 * gate * (1.0 - t * t) * GELU_TANH_K0 * (1.0 + 3.0 * GELU_TANH_K1 * x2)
+    return g_h * up * slope, g_h * gate * half
+
+
 def _softmax_bwd(shifted, p, alpha):
     # the accumulators arrive with the row's D already taken off (row_values)
     return (p * shifted * alpha,)
 
 
-_APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu, "row_dot": lambda acc, x: (acc,),
+_APPLY = {"store": _store, "add": _add, "dswiglu": _dswiglu, "dgeglu": _dgeglu, "row_dot": lambda acc, x: (acc,),
           "rope_inverse": _store}
 # row_dot sums the product as stored (bf16), not the fp32 accumulator: the decoder layer's D =
 # rowsum(g_ao * P v) must match the g_p = g_ao . v^T that the bf16 g_ao makes, or the
@@ -119,10 +133,12 @@ _ROW_TERM = {"row_dot": lambda acc, x: acc.to(BFloat16).to(Float32) * x}
 STORE = Epilogue("store")
 ADD = Epilogue("add", inputs=("c",))
 DSWIGLU = Epilogue("dswiglu", inputs=("gate", "up", "silu_up"), outputs=("grad_gate", "grad_up"))
+DGEGLU = Epilogue("dgeglu", inputs=("gate", "up"), outputs=("grad_gate", "grad_up"))
 ROW_DOT = Epilogue("row_dot", inputs=("x",), rows="sums")
 SOFTMAX_BWD = Epilogue("softmax_bwd", inputs=("p",), rows="values")
 ROPE_INVERSE = Epilogue("rope_inverse", tables=("cos", "sin"))
-KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU, ROW_DOT, SOFTMAX_BWD, ROPE_INVERSE)}
+KINDS = {e.name: e for e in (STORE, ADD, DSWIGLU, DGEGLU, ROW_DOT, SOFTMAX_BWD, ROPE_INVERSE)}
+TWO_OUTPUTS = tuple(name for name, e in KINDS.items() if len(e.outputs) > 1)  # out and out2: the gated FFNs'
 
 
 @cute.jit

@@ -33,7 +33,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from ...layouts.gemm import SM100_SMEM_BYTES, GemmTiling
-from .epilogue import (ADD, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
+from .epilogue import (ADD, DGEGLU, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
                        read_slot)
 from .core import (GroupedEntry, Launch, SummedEntry, add_partial, await_partial, compile_gemm, group_tile,
                    launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
@@ -628,6 +628,7 @@ AUDIT_CASES = (
     (GemmTiling(tile_m=64, tile_n=128), True, True, "bfloat16"),
     (GemmTiling(cluster_m=2), True, False, "float32"),
     (GemmTiling(tile_n=256, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # the decoder layer's g_sw product
+    (GemmTiling(cluster_m=2), True, False, "bfloat16", DGEGLU),  # Gemma's MLP: g_h = g_y . Wd
     (GemmTiling(), True, False, "bfloat16", ADD),
     # The decoder layer's g_ao = g_attn . Wo with D = rowsum(g_ao * P v) per head (160 columns)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
