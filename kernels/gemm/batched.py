@@ -19,6 +19,7 @@ from ...layouts.gemm import GemmTiling
 from ..calls import KEY_ERRORS, CallCache
 from .dispatch import (ADD_NEEDS_OUT, GemmCall, Call, check_call, device_gpu, epilogue_key, epilogue_kind, compiled_kernel,
                    run_call)
+from .epilogue import TWO_OUTPUTS
 from .grouped import stacked_k
 
 

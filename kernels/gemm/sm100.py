@@ -33,8 +33,8 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from ...layouts.gemm import SM100_SMEM_BYTES, GemmTiling
-from .epilogue import (ADD, DGEGLU, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue, init_slot_barriers, load_slot,
-                       read_slot)
+from .epilogue import (ADD, DGEGLU, DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD, STORE, Epilogue,
+                       init_slot_barriers, load_slot, read_slot)
 from .core import (GroupedEntry, Launch, SummedEntry, add_partial, await_partial, compile_gemm, group_tile,
                    launch_schedule, load_k_tile, owner, publish_partial, run_prologue, store_partial, store_piece,
                    unit, batch_last, batch_tile, work)
