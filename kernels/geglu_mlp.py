@@ -15,7 +15,9 @@ autograd nodes. A small model's backward is bound by host time per launch.
         and h = gelu_tanh(gate) * up (eager autograd saves gelu_tanh(gate) as well).
 
 On CUDA bf16 tensors whose widths are multiples of 8 the backward is the kernels (as the custom
-operator torch.ops.cutebwd.geglu_mlp_backward under torch.compile); elsewhere it is the same
+operator torch.ops.cutebwd.geglu_mlp_backward under torch.compile), adding the weights'
+gradients into their `.grad` in place where gradients accumulate (modules.gradient_to_add_into:
+one add launch a weight less); elsewhere it is the same
 arithmetic in PyTorch (geglu_mlp_backward_reference), fp32 throughout with g_gate and g_up
 rounded to bf16 as the epilogue stores them.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .modules import gradient_to_add_into
 from .torch_ops import op
 
 GELU_TANH_K0, GELU_TANH_K1 = 0.7978845608028654, 0.044715  # sqrt(2 / pi); the cubic term's weight
@@ -42,9 +45,12 @@ class _GegluMLPFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         x, gate = saved[:2]
         rows = (grad_output.contiguous(), *saved)
-        if x.is_cuda and kernels_read(x, gate, *saved[4:]):
-            return op("geglu_mlp_backward")(*rows)
-        return geglu_mlp_backward_reference(*rows)
+        if not (x.is_cuda and kernels_read(x, gate, *saved[4:])):
+            return geglu_mlp_backward_reference(*rows)
+        into = [gradient_to_add_into(w) for w in saved[4:]]
+        if any(g is not None for g in into):
+            return geglu_mlp_backward(*rows, into=into)
+        return op("geglu_mlp_backward")(*rows)
 
 
 def kernels_read(x, gate, *weights) -> bool:
@@ -62,17 +68,29 @@ def gelu_tanh_and_slope(gate32):
     return gate32 * half, half + 0.5 * gate32 * (1.0 - t * t) * GELU_TANH_K0 * (1.0 + 3.0 * GELU_TANH_K1 * x2)
 
 
-def geglu_mlp_backward(grad_output, x, gate, up, h, gate_weight, up_weight, down_weight):
+def geglu_mlp_backward(grad_output, x, gate, up, h, gate_weight, up_weight, down_weight, into=(None, None, None)):
     """-> (grad_x [..., H], grad_gate_weight, grad_up_weight [I, H], grad_down_weight [H, I]), bf16,
     by the four launches of the module docstring; grad_output, x [..., H], gate, up, h [..., I]
-    bf16 with contiguous rows."""
+    bf16 with contiguous rows. `into`: per weight, a gradient to add its own into in place (the
+    `add` epilogue), returned as None: the down projection's, and the gate's and up's together
+    (two launches for the two, where the fresh pair is one)."""
     from .gemm import matmul_nt, matmul_nt_grouped, matmul_nt_summed
 
     g_y, x2, gate2, up2, h2 = (t.reshape(-1, t.shape[-1]) for t in (grad_output, x, gate, up, h))
     g_gate, g_up = matmul_nt(g_y, down_weight.t(), epilogue="dgeglu", inputs=(gate2, up2))
-    grad_down_weight = matmul_nt(g_y.t(), h2.t())
+    into_gate, into_up, into_down = into
+    grad_down_weight = None
+    if into_down is not None:
+        matmul_nt(g_y.t(), h2.t(), out=into_down, epilogue="add")
+    else:
+        grad_down_weight = matmul_nt(g_y.t(), h2.t())
     grad_x = matmul_nt_summed([(g_gate, gate_weight.t()), (g_up, up_weight.t())])
-    grad_gate_weight, grad_up_weight = matmul_nt_grouped([g_gate.t(), g_up.t()], x2.t())
+    grad_gate_weight = grad_up_weight = None
+    if into_gate is not None and into_up is not None:
+        matmul_nt(g_gate.t(), x2.t(), out=into_gate, epilogue="add")
+        matmul_nt(g_up.t(), x2.t(), out=into_up, epilogue="add")
+    else:
+        grad_gate_weight, grad_up_weight = matmul_nt_grouped([g_gate.t(), g_up.t()], x2.t())
     return grad_x.view(x.shape), grad_gate_weight, grad_up_weight, grad_down_weight
 
 

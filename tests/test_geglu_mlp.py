@@ -74,3 +74,29 @@ def test_gradients_on_the_gpu(batch, seq, hidden, inner):
 def test_widths_the_kernels_do_not_take_run_the_reference():
     """H = 60 (not a multiple of 8): the PyTorch arithmetic, the same rules."""
     _check(1, 5, 60, 96, "cpu")
+
+
+@pytest.mark.gpu
+def test_weight_gradients_accumulate_in_place_on_the_gpu():
+    """With gradients already in `.grad` (accumulation over micro batches) the backward adds into
+    them in place; the sums match PyTorch's accumulation and post-accumulate hooks still run."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 128, 640, generator=g).to("cuda", torch.bfloat16)
+    upstream = torch.randn(2, 128, 640, generator=g).to("cuda", torch.bfloat16)
+    weights = _weights(640, 2048, "cuda", torch.bfloat16)
+    earlier = [torch.randn(w.shape, generator=g).to("cuda", torch.bfloat16) for w in weights]
+    summed = {}
+    for forward in (geglu_mlp, _plain):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        for p, e in zip(params, earlier):
+            p.grad = e.clone()
+        held = [p.grad for p in params]
+        seen = []
+        params[0].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        forward(x, *params).backward(upstream)
+        assert len(seen) == 1 and torch.equal(seen[0], params[0].grad)
+        if forward is geglu_mlp:
+            assert all(p.grad is t for p, t in zip(params, held))  # added into, not replaced
+        summed[forward] = [p.grad for p in params]
+    for got, want, name in zip(summed[geglu_mlp], summed[_plain], NAMES[1:]):
+        assert (got.float() - want.float()).norm() <= 1e-2 * want.float().norm(), name
