@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..references.rmsnorm import normalized_dx
-from .modules import gradient_to_add_into, kernel_reads, kernel_weight, rms_norm_forward
+from .modules import gradient_to_add_into, hand_over, kernel_reads, kernel_weight, rms_norm_forward
 from .torch_ops import op
 
 
@@ -57,7 +57,7 @@ class _EmbeddingNormFunction(torch.autograd.Function):
             table = None
         else:
             table, grad_norm_weight = op("embedding_norm_backward")(*rows, weight.shape[0], ctx.padding_idx)
-        return None, table, grad_norm_weight.to(norm_weight.dtype), None, None, None, None
+        return None, table, hand_over(norm_weight, grad_norm_weight), None, None, None, None
 
 
 @torch.compiler.assume_constant_result  # a number, not a tensor, in a compiled graph

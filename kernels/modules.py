@@ -63,9 +63,8 @@ class _QKVNormFunction(torch.autograd.Function):
         args = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
                 k_norm_weight, None, None, q_rstd, k_rstd, q_normed, k_normed, ctx.eps)
         grads = _qkv_backward(hidden_states)(*args)
-        grad_q_norm_weight, grad_k_norm_weight = (g.to(w.dtype) for g, w in zip(grads[4:], (q_norm_weight,
-                                                                                           k_norm_weight)))
-        return (*grads[:4], grad_q_norm_weight, grad_k_norm_weight, None, None, None)
+        # the norm weights' gradients come in fp32 (the op's contract)
+        return (*grads[:4], hand_over(q_norm_weight, grads[4]), hand_over(k_norm_weight, grads[5]), None, None, None)
 
 
 class GemmaQKVNorm(torch.nn.Module):
@@ -169,6 +168,17 @@ def gradient_to_add_into(weight):
             or grad.shape != weight.shape or not grad.is_contiguous()):
         return None
     return grad
+
+
+def hand_over(weight, grad):
+    """What a backward returns for `weight` given its gradient `grad` in another dtype (fp32): None
+    once added into weight.grad in place where gradient_to_add_into allows (one launch, where a
+    cast and autograd's add are two), else grad cast to the weight's dtype."""
+    into = gradient_to_add_into(weight)
+    if into is None:
+        return grad.to(weight.dtype)
+    into.add_(grad)
+    return None
 
 
 def kernel_reads(*rows) -> bool:

@@ -122,3 +122,28 @@ def test_gemma_qkv_norm_refuses_what_the_op_cannot_do():
     layers = _layers(64, 4, 1, 32, "cpu")
     with pytest.raises(ValueError, match=r"q_proj.weight is \[128, 64\], expected \[8 x 32, 64\]"):
         GemmaQKVNorm(*layers, q_heads=8, kv_heads=1)
+
+
+def test_gemma_qkv_norm_weight_gradients_accumulate():
+    """Two backwards without zeroing: the Q/K norm weights' fp32 gradients go into the existing
+    bf16 `.grad` in place (one add, no cast), the same tensors hold the sums, and hooks run."""
+    layers = _layers(64, 4, 1, 32, "cpu")
+    module = GemmaQKVNorm(*layers, q_heads=4, kv_heads=1)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    norm_weights = [module.q_norm.weight, module.k_norm.weight]
+    for w in norm_weights:
+        w.requires_grad_()
+    seen = []
+    norm_weights[0].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+
+    def step():
+        sum(o.float().square().sum() for o in module(x)).backward()
+
+    step()
+    first = [w.grad.clone() for w in norm_weights]
+    held = [w.grad for w in norm_weights]
+    step()
+    assert len(seen) == 2 and torch.equal(seen[1], norm_weights[0].grad)
+    for w, g, t in zip(norm_weights, first, held):
+        assert w.grad is t
+        torch.testing.assert_close(w.grad.float(), 2 * g.float(), rtol=1e-2, atol=1e-2)
