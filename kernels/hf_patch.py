@@ -18,6 +18,10 @@ What is swapped, by model family:
   eager attention (the backward reads the attention probabilities), without dropout, biases or
   an activation other than silu; calls without gradients or with a filled or static KV cache
   run the layer's own forward.
+- Every family's attention (except in layers run whole): transformers' apply_rotary_pos_emb
+  runs as rotary.apply_rotary_pos_emb (the same forward; the backward for queries and keys is one
+  kernel), through a copy of the attention's forward whose module globals name it, bound on the
+  instance: other models in the process keep transformers' function.
 - Every family, where the first decoder layer's input norm is routed as above: the token
   embedding and that norm run as one embedding_norm.embedding_norm (the embedding forward
   computes the norm too and hands it to the norm), whose backward writes the table's gradient
@@ -42,11 +46,14 @@ import torch
 
 from .embedding_norm import embedding_norm
 from .geglu_mlp import geglu_mlp
+from .rotary import apply_rotary_pos_emb
 from .modules import GemmaQKVNorm, rms_norm
 
 # RMSNorm classes by family, and whether they scale by 1 + w
 NORMS = {"Gemma3RMSNorm": True, "Qwen3RMSNorm": False, "MistralRMSNorm": False, "LlamaRMSNorm": False}
 FAMILIES = ("gemma3", "gemma3_text", "qwen3", "mistral", "llama")
+# Attentions whose forward applies transformers' apply_rotary_pos_emb to [b, heads, s, d] Q and K
+ATTENTIONS = ("Gemma3Attention", "Qwen3Attention", "MistralAttention", "LlamaAttention")
 # Decoder layers the whole-layer backward reads (pre-norm GQA attention with RoPE, SwiGLU FFN)
 WHOLE_LAYERS = ("MistralDecoderLayer", "LlamaDecoderLayer")
 
@@ -101,6 +108,9 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     norms = [(name, m) for name, m in all_norms if id(m) not in fused_norms]
     for name, norm in norms:
         _check_norm(name, norm)
+    whole = {id(m) for _, layer in (layers if decoder_layers else ()) for m in layer.modules()}
+    rotaries = [(name, m) for name, m in model.named_modules()
+                if type(m).__name__ in ATTENTIONS and id(m) not in whole]
     mlps = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Gemma3MLP"]
     for name, mlp in mlps:
         _check_geglu_mlp(name, mlp)
@@ -121,10 +131,25 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     for name, mlp in mlps:
         _route_geglu_mlp(mlp, result)
         result.replaced.append(name)
+    for name, attention in rotaries:
+        _route_rotary(attention, result)
+        result.replaced.append(f"{name}: apply_rotary_pos_emb")
     for name, layer in layers if decoder_layers else ():
         _route_whole_layer(layer, result)
         result.replaced.append(name)
     return result
+
+
+def _route_rotary(attention, result: Patch):
+    """The attention's own forward (past its decorators), bound on the instance, as a copy whose
+    module globals name rotary.apply_rotary_pos_emb where transformers' function was."""
+    function = inspect.unwrap(type(attention).forward)
+    scope = dict(function.__globals__, apply_rotary_pos_emb=apply_rotary_pos_emb)
+    forward = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__,
+                                 function.__closure__)
+    forward.__kwdefaults__ = function.__kwdefaults__
+    attention.forward = types.MethodType(forward, attention)
+    result._restore.append(attention)
 
 
 def _check_geglu_mlp(name: str, mlp):

@@ -9,10 +9,10 @@ only; the package lists them in gemm.AUDITS). Adding a kernel to the audit (and 
 is one line here.
 """
 from . import (embedding_backward, gemm, id_radix, id_sort, padded_rows, qkv_qknorm_backward,
-               rmsnorm_backward, row_rstd)
+               rmsnorm_backward, rope_backward, row_rstd)
 
 KERNEL_MODULES = (row_rstd, rmsnorm_backward, embedding_backward, id_sort, id_radix, qkv_qknorm_backward, *gemm.AUDITS,
-                  padded_rows)
+                  padded_rows, rope_backward)
 
 
 def audit_builds():

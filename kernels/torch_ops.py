@@ -186,6 +186,20 @@ def _(grad_output, x, gate, up, h, gate_weight, up_weight, down_weight):
             down_weight.new_empty(down_weight.shape))
 
 
+@_custom_op("rope_backward")
+def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding's backward for queries and keys -> (dq, dk); see kernels/rope_backward.py."""
+    from .rope_backward import rope_backward as run
+
+    return run(grad_q, grad_k, cos, sin)
+
+
+@_fake("rope_backward")
+def _(grad_q, grad_k, cos, sin):
+    return (grad_q.new_empty(grad_q.shape), grad_k.new_empty(grad_k.shape))
+
+
 class _ResidualRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, residual, weight, eps):

@@ -75,8 +75,10 @@ def _check_step(make_model, norms_a_layer, family_dims, device, batch, seq, **di
     assert len(handle.left) == (layers if make_model is _gemma3 and not one_kv_gemma else 0)
     mlps = [name for name in handle.replaced if name.endswith(".mlp")]
     assert len(mlps) == (layers if make_model is _gemma3 else 0)
+    rotaries = [name for name in handle.replaced if name.endswith("self_attn: apply_rotary_pos_emb")]
+    assert len(rotaries) == layers
     # and the final norm, and the embedding with the first layer's input norm
-    assert len(handle.replaced) - len(fused) - len(mlps) == norms_a_layer * layers + 2
+    assert len(handle.replaced) - len(fused) - len(mlps) - len(rotaries) == norms_a_layer * layers + 2
     assert "model.embed_tokens" in handle.replaced
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     exact_loss, exact = _step(exact_model, ids)

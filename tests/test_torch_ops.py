@@ -58,7 +58,7 @@ def test_backwards_call_the_operators_only_under_compile(monkeypatch):
     traces the operator itself."""
     names = ("fused_residual_rmsnorm_backward", "rmsnorm_backward", "embedding_rmsnorm_backward",
              "embedding_rmsnorm_backward_accumulate", "embedding_norm_backward", "qkv_qknorm_backward",
-             "decoder_layer_backward", "geglu_mlp_backward")
+             "decoder_layer_backward", "geglu_mlp_backward", "rope_backward")
     for name in names:
         eager = torch_ops.op(name)
         assert eager.__name__ == name and eager.__module__ == torch_ops.__name__  # the plain function
@@ -107,6 +107,14 @@ def test_geglu_mlp_fake_implementation():
         grads = torch.ops.cutebwd.geglu_mlp_backward(g_y, x, gate, up, h, wg, wu, wd)
         assert [t.shape for t in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
         assert all(t.dtype == torch.bfloat16 and t.device == x.device for t in grads)
+
+
+def test_rope_fake_implementation():
+    with FakeTensorMode():
+        grad_q, grad_k = (torch.empty(2, heads, 8, 64, device="cuda", dtype=torch.bfloat16) for heads in (4, 1))
+        cos, sin = (torch.empty(2, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        dq, dk = torch.ops.cutebwd.rope_backward(grad_q, grad_k, cos, sin)
+        assert dq.shape == grad_q.shape and dk.shape == grad_k.shape and dq.dtype == dk.dtype == torch.bfloat16
 
 
 def test_decoder_layer_fake_implementation():
