@@ -37,11 +37,12 @@ class ColumnSum:
     # chains); a quarter line was in between.
     LINE_VECTORS = 4
 
-    def __init__(self, hidden: int, warps: int = 16, line_vectors: int = LINE_VECTORS):
+    def __init__(self, hidden: int, warps: int = 16, line_vectors: int = LINE_VECTORS, adds: bool = False):
         """`warps` a CTA: 16 in a launch of its own; fewer as part of another kernel's grid
         (SegmentFixup's), whose CTA size it takes, with fewer `line_vectors` (a power of two up
-        to 32) so each vector still gets as many streams."""
-        self.hidden, self.warps, self.line_vectors = hidden, warps, line_vectors
+        to 32) so each vector still gets as many streams. `adds`: out += the sums (out read as
+        it is, the fp32 sum added, rounded once), for a gradient that accumulates in place."""
+        self.hidden, self.warps, self.line_vectors, self.adds = hidden, warps, line_vectors, adds
         self.row_lanes = 32 // line_vectors
         self.ctas = -(-hidden // VECTOR // line_vectors)
 
@@ -90,6 +91,10 @@ class ColumnSum:
                 acc.store(acc.load() + warp_sums[None, column, w].load())
             if skip == 2.0:
                 acc.fill(float("nan"))
+            if cutlass.const_expr(self.adds):
+                old = cute.make_rmem_tensor((VECTOR,), m_out.element_type)
+                cute.copy(wide_copy(m_out.element_type), vector(m_out, v), old)
+                acc.store(acc.load() + old.load().to(Float32))
             store_vector(acc, m_out, v)
 
 

@@ -120,6 +120,13 @@ class _RMSNormFunction(torch.autograd.Function):
             hidden = x.shape[-1]
             rows = (grad.reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
         if x.is_cuda and kernel_reads(x, grad):
+            into = gradient_to_add_into(weight)
+            if into is not None:  # the kernel's column sum adds into the accumulating gradient
+                from .rmsnorm_backward import rmsnorm_backward
+
+                grad_x = torch.empty_like(rows[1])
+                rmsnorm_backward(*rows, kernel_weight(weight, scale), grad_x, into, adds=True)
+                return grad_x.view(x.shape), None, None, None
             # the weight's gradient in its dtype where the kernel writes that: no cast, a launch
             grad_dtype = weight.dtype if weight.dtype in KERNEL_WEIGHT_DTYPES else torch.float32
             grad_x, grad_weight = op("rmsnorm_backward")(*rows, kernel_weight(weight, scale), grad_dtype)

@@ -88,7 +88,9 @@ class RowForm:
     single_output: dx is written once (a plain RMSNorm's input gradient, `model_form`), not as
     the two summands' equal gradients.
 
-    grad_weight: its dtype; the column sum rounds the fp32 sum once as it stores a bf16 one."""
+    grad_weight: its dtype; the column sum rounds the fp32 sum once as it stores a bf16 one.
+
+    adds_into_grad_weight: grad_weight += the sum (a gradient accumulating in place)."""
     grad: type = BFloat16
     x: type = Float32
     weight: type = Float32
@@ -97,6 +99,7 @@ class RowForm:
     dx_from_x: bool = False
     single_output: bool = False
     grad_weight: type = Float32
+    adds_into_grad_weight: bool = False
 
     @property
     def writes_grad_residual(self) -> bool:
@@ -111,7 +114,8 @@ class RowForm:
             return ()
         fields = (self.grad.__name__, self.x.__name__, self.weight.__name__, self.from_variance,
                   self.residual_grad, self.dx_from_x, self.single_output)
-        return fields if self.grad_weight is Float32 else (*fields, self.grad_weight.__name__)
+        fields = fields if self.grad_weight is Float32 else (*fields, self.grad_weight.__name__)
+        return (*fields, "adds") if self.adds_into_grad_weight else fields
 
 
 class FusedResidualRmsNormBackward:
@@ -146,7 +150,7 @@ class FusedResidualRmsNormBackward:
         # load per row set the one-cluster path's pace (12.2 -> 9.3 us at 128 rows); on the grid
         # path it cost up to 7% (normalized=None, 8192 rows), four CTAs per SM hiding that load.
         self.rstd_in_ring = self.clustered and self.stages > 0
-        self.column_sum = ColumnSum(hidden)
+        self.column_sum = ColumnSum(hidden, adds=form.adds_into_grad_weight)
 
     @cute.jit
     def __call__(self, grad_output: cute.Tensor, x: cute.Tensor | None, normalized: cute.Tensor | None,
@@ -611,26 +615,30 @@ def residual_norm_backward(grad, x, normalized, variance, eps: float, weight, re
 # written once, normalized = x * rstd (x is what the forward saves). The weight (w, or Gemma's
 # fp32 1 + w) and its gradient in the model's dtypes, bf16 or fp32, so the backward makes no
 # casts: a small model's backward is bound by host time, a launch each.
-def model_form(weight, grad_weight) -> RowForm:
-    """The model form for a weight and a weight gradient of these CuTe types (BFloat16 or Float32)."""
-    return RowForm(grad=BFloat16, x=BFloat16, weight=weight, single_output=True, grad_weight=grad_weight)
+def model_form(weight, grad_weight, adds: bool = False) -> RowForm:
+    """The model form for a weight and a weight gradient of these CuTe types (BFloat16 or Float32);
+    `adds`: the gradient is added into grad_weight."""
+    return RowForm(grad=BFloat16, x=BFloat16, weight=weight, single_output=True, grad_weight=grad_weight,
+                   adds_into_grad_weight=adds)
 
 
-def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight):
+def rmsnorm_backward(grad, x, rstd, weight, out, grad_weight, adds: bool = False):
     """A plain RMSNorm's backward, one pass over the rows (model_form):
 
         out = bf16(rms_dx(grad * weight, x, rstd));  grad_weight = sum over rows of grad * x * rstd
 
     grad, x and out bf16 [b, s, H] (H a multiple of 8, row starts 16-byte aligned); rstd fp32
     [b, s, 1]; weight and grad_weight [H], each bf16 or fp32; grad_weight is the fp32 sum rounded
-    once, bitwise repeatable. The caller checks dtypes and shapes (kernels/modules.py); the C
-    entry point checks them again with strides and alignment."""
-    entry = _form_entry((weight.dtype, grad_weight.dtype), lambda: model_form(
-        runtime.cute_dtype(weight.dtype), runtime.cute_dtype(grad_weight.dtype)), x, False, GRID_CTAS_PER_SM)
+    once, bitwise repeatable (`adds`: grad_weight += that sum, rounded once, for a gradient that
+    accumulates in place). The caller checks dtypes and shapes (kernels/modules.py); the C entry
+    point checks them again with strides and alignment."""
+    entry = _form_entry((weight.dtype, grad_weight.dtype, adds), lambda: model_form(
+        runtime.cute_dtype(weight.dtype), runtime.cute_dtype(grad_weight.dtype), adds), x, False, GRID_CTAS_PER_SM)
     batch, seq, _ = x.shape
     rows = batch * seq
     if rows == 0:
-        grad_weight.zero_()
+        if not adds:
+            grad_weight.zero_()
         return
     entry.run(grad, x, None, rstd, weight, out, None, grad_weight, entry.workspace.get(), min(rows, entry.max_ctas),
               None, None)
@@ -652,6 +660,11 @@ AUDIT_BUILDS.update({  # Qwen3-4B's layer norms (bf16 weight) and Q/K norms over
     f"rmsnorm_backward[H={h},model form,{w.__name__} weight]":
         (lambda arch, dump_dir, h=h, w=w: _build(h, False, arch, dump_dir, form=model_form(w, BFloat16)))
     for h, w in ((2560, BFloat16), (128, BFloat16), (640, Float32))
+})
+AUDIT_BUILDS.update({  # the same adding into an accumulating bf16 gradient
+    f"rmsnorm_backward[H={h},model form,{w.__name__} weight,adds]":
+        (lambda arch, dump_dir, h=h, w=w: _build(h, False, arch, dump_dir, form=model_form(w, BFloat16, adds=True)))
+    for h, w in ((2560, BFloat16), (640, Float32))
 })
 # Rows stream in through cp.async (LDGSTS); 128-bit loads of weight and the partials; no
 # local-memory spills, no atomics (grad_weight's order is fixed).

@@ -147,3 +147,31 @@ def test_gemma_qkv_norm_weight_gradients_accumulate():
     for w, g, t in zip(norm_weights, first, held):
         assert w.grad is t
         torch.testing.assert_close(w.grad.float(), 2 * g.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_plus,hidden", [(False, 2560), (True, 640)])
+def test_rms_norm_weight_gradient_accumulates_in_place_on_the_gpu(one_plus, hidden):
+    """With a gradient already in `.grad` the row kernel's column sum adds into it (no separate
+    add): the sum matches PyTorch's accumulation of the same backward, the tensor is the same,
+    post-accumulate hooks run."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 300, hidden, generator=g).to("cuda", torch.bfloat16)
+    upstream = torch.randn(2, 300, hidden, generator=g).to("cuda", torch.bfloat16)
+    start = (0.3 * torch.randn(hidden, generator=g) + (0.0 if one_plus else 1.0)).to("cuda", torch.bfloat16)
+    earlier = torch.randn(hidden, generator=g).to("cuda", torch.bfloat16)
+    sums = []
+    for in_place in (True, False):
+        weight = torch.nn.Parameter(start.clone())
+        fresh = modules.rms_norm(x, weight, 1e-6, one_plus)
+        (fresh_grad,) = torch.autograd.grad(fresh, weight, upstream)  # no .grad yet: the fresh path
+        weight.grad = earlier.clone()
+        held, seen = weight.grad, []
+        weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        if in_place:
+            modules.rms_norm(x, weight, 1e-6, one_plus).backward(upstream)
+            assert weight.grad is held and len(seen) == 1 and torch.equal(seen[0], weight.grad)
+            sums.append(weight.grad.float())
+        else:
+            sums.append(earlier.float() + fresh_grad.float())
+    assert (sums[0] - sums[1]).abs().max() <= 2 ** -7 * sums[1].abs().max()
