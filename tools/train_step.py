@@ -6,7 +6,8 @@ bf16 random weights at a real model's widths: ms a step, ms of its backward alon
 events around each backward call), and tokens per second in the JSON.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--input-ids]
-                                       [--decoder-layers] [--zero-grad] [--profile] [--json FILE]
+                                       [--decoder-layers] [--zero-grad] [--profile] [--rounds N]
+                                       [--json FILE]
 
 Models: the widths of Gemma-3-270m and Gemma-3-1B (fused Q/K/V with Q/K norms, and the other
 norms), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder (their norms).
@@ -155,9 +156,16 @@ def main(argv=None) -> int:
                         help="gradients set to None before each step (a first micro-batch; module docstring)")
     parser.add_argument("--profile", action="store_true",
                         help="each backward's GPU kernels as well (module docstring)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the variants timed in turn this many times; the figures are the medians over "
+                             "rounds (a small model's step is bound by host time, which drifts run to run)")
     parser.add_argument("--json", help="where to write the rows")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds: at least 1, got {args.rounds}")
     sys.argv = sys.argv[:1]  # the DSL reads the command line when it is imported: show it none of ours
+
+    import statistics
 
     import torch
 
@@ -194,11 +202,18 @@ def main(argv=None) -> int:
             tokens = args.batch * seq
             row = {"model": name, "batch": args.batch, "seq": seq, "input_ids": args.input_ids,
                    "zero_grad": args.zero_grad}
+            timed = {label: [] for label, _ in variants}
+            for round_ in range(args.rounds):
+                for label, model in variants:
+                    progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}"
+                             + (f" (round {round_ + 1} of {args.rounds})" if args.rounds > 1 else ""))
+                    timed[label].append(step_ms(model, args.batch, seq, input_ids=args.input_ids,
+                                                zero_grad=args.zero_grad))
             for label, model in variants:
-                progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}")
-                ms, backward_ms = step_ms(model, args.batch, seq, input_ids=args.input_ids,
-                                          zero_grad=args.zero_grad)
-                row[label] = {"ms": ms, "backward_ms": backward_ms, "tokens_per_s": tokens / (ms * 1e-3)}
+                ms = statistics.median(t[0] for t in timed[label])
+                backward_ms = statistics.median(t[1] for t in timed[label])
+                row[label] = {"ms": ms, "backward_ms": backward_ms, "tokens_per_s": tokens / (ms * 1e-3),
+                              "rounds": [{"ms": t[0], "backward_ms": t[1]} for t in timed[label]]}
                 if args.profile:
                     row[label]["kernels"] = kernels = backward_kernels(model, args.batch, seq, args.input_ids,
                                                                              args.zero_grad)
