@@ -8,7 +8,7 @@ What is swapped, by model family:
   the kernel reads the attention: one kv head (Gemma-3-270m, 1B), no bias; elsewhere (Gemma-3-4B
   and up) the attention stays as it is, its Q/K norms with the others, and `Patch.left` says
   why. Its other RMSNorm layers (four a decoder layer, the final norm) run as modules.rms_norm
-  with scale 1 + w. Its MLPs (gelu_tanh(gate) * up, no biases) run as geglu_mlp.geglu_mlp.
+  with scale 1 + w.
 - Qwen3 and Mistral: every RMSNorm layer (two a decoder layer, Qwen3's Q/K norms, the final
   norm) runs as modules.rms_norm, whose backward is the RMSNorm row kernel. Their attention has
   several kv heads, which the QKV kernel does not read, so it stays as it is.
@@ -18,6 +18,8 @@ What is swapped, by model family:
   eager attention (the backward reads the attention probabilities), without dropout, biases or
   an activation other than silu; calls without gradients or with a filled or static KV cache
   run the layer's own forward.
+- Every family's MLP (except in layers run whole), act(gate) * up without biases, act gelu_tanh
+  (Gemma3) or silu (the others), runs as gated_mlp.gated_mlp.
 - Every family's attention (except in layers run whole): transformers' apply_rotary_pos_emb
   runs as rotary.apply_rotary_pos_emb (the same forward; the backward for queries and keys is one
   kernel), through a copy of the attention's forward whose module globals name it, bound on the
@@ -45,13 +47,18 @@ import types
 import torch
 
 from .embedding_norm import embedding_norm
-from .geglu_mlp import geglu_mlp
+from .gated_mlp import gated_mlp
 from .rotary import apply_rotary_pos_emb
 from .modules import GemmaQKVNorm, rms_norm
 
 # RMSNorm classes by family, and whether they scale by 1 + w
 NORMS = {"Gemma3RMSNorm": True, "Qwen3RMSNorm": False, "MistralRMSNorm": False, "LlamaRMSNorm": False}
 FAMILIES = ("gemma3", "gemma3_text", "qwen3", "mistral", "llama")
+# Gated MLPs (gate_proj, up_proj, down_proj) and the config field naming their activation
+MLPS = {"Gemma3MLP": "hidden_activation", "Qwen3MLP": "hidden_act", "MistralMLP": "hidden_act",
+        "LlamaMLP": "hidden_act"}
+# transformers' activation names -> gated_mlp's
+MLP_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
 # Attentions whose forward applies transformers' apply_rotary_pos_emb to [b, heads, s, d] Q and K
 ATTENTIONS = ("Gemma3Attention", "Qwen3Attention", "MistralAttention", "LlamaAttention")
 # Decoder layers the whole-layer backward reads (pre-norm GQA attention with RoPE, SwiGLU FFN)
@@ -111,9 +118,9 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     whole = {id(m) for _, layer in (layers if decoder_layers else ()) for m in layer.modules()}
     rotaries = [(name, m) for name, m in model.named_modules()
                 if type(m).__name__ in ATTENTIONS and id(m) not in whole]
-    mlps = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "Gemma3MLP"]
+    mlps = [(name, m) for name, m in model.named_modules() if type(m).__name__ in MLPS and id(m) not in whole]
     for name, mlp in mlps:
-        _check_geglu_mlp(name, mlp)
+        _check_gated_mlp(name, mlp)
     for name, attention, fused in fused_layers:
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
@@ -129,7 +136,7 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
         _route_embedding(text_model, result)
         result.replaced.append(name)
     for name, mlp in mlps:
-        _route_geglu_mlp(mlp, result)
+        _route_gated_mlp(mlp, result)
         result.replaced.append(name)
     for name, attention in rotaries:
         _route_rotary(attention, result)
@@ -152,12 +159,13 @@ def _route_rotary(attention, result: Patch):
     result._restore.append(attention)
 
 
-def _check_geglu_mlp(name: str, mlp):
-    """Raises ValueError where geglu_mlp does not compute the MLP's forward."""
-    activation = getattr(mlp.config, "hidden_activation", None)
+def _check_gated_mlp(name: str, mlp):
+    """Raises ValueError where gated_mlp does not compute the MLP's forward."""
+    activation = getattr(mlp.config, MLPS[type(mlp).__name__], None)
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if activation != "gelu_pytorch_tanh":
-        raise ValueError(f"cutebwd.patch: {name}: activation {activation!r} (the backward's is gelu_pytorch_tanh)")
+    if activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"cutebwd.patch: {name}: activation {activation!r} (the backward's are "
+                         f"{sorted(MLP_ACTIVATIONS)})")
     if any(p.bias is not None for p in projections):
         raise ValueError(f"cutebwd.patch: {name}: a projection has a bias (the backward has none)")
     if any(p.weight.dtype != torch.bfloat16 for p in projections):
@@ -165,10 +173,12 @@ def _check_geglu_mlp(name: str, mlp):
                          f"{sorted({str(p.weight.dtype) for p in projections})}")
 
 
-def _route_geglu_mlp(mlp, result: Patch):
-    """The MLP's forward, bound on the instance: the same output through geglu_mlp."""
+def _route_gated_mlp(mlp, result: Patch):
+    """The MLP's forward, bound on the instance: the same output through gated_mlp."""
+    activation = MLP_ACTIVATIONS[getattr(mlp.config, MLPS[type(mlp).__name__])]
+
     def forward(self, x):
-        return geglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, activation)
 
     mlp.forward = types.MethodType(forward, mlp)
     result._restore.append(mlp)

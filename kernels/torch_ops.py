@@ -169,19 +169,20 @@ def _(grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_wei
             hidden_states.new_empty((head_dim,), dtype=torch.float32))
 
 
-@_custom_op("geglu_mlp_backward")
-def geglu_mlp_backward(grad_output: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                       h: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor
+@_custom_op("gated_mlp_backward")
+def gated_mlp_backward(grad_output: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                       h: torch.Tensor, act: Optional[torch.Tensor], gate_weight: torch.Tensor,
+                       up_weight: torch.Tensor, down_weight: torch.Tensor, activation: str
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gemma's MLP backward -> (grad_x, grad_gate_weight, grad_up_weight, grad_down_weight); see
-    kernels/geglu_mlp.py."""
-    from .geglu_mlp import geglu_mlp_backward as run
+    """A gated MLP's backward -> (grad_x, grad_gate_weight, grad_up_weight, grad_down_weight); see
+    kernels/gated_mlp.py."""
+    from .gated_mlp import gated_mlp_backward as run
 
-    return run(grad_output, x, gate, up, h, gate_weight, up_weight, down_weight)
+    return run(grad_output, x, gate, up, h, act, gate_weight, up_weight, down_weight, activation)
 
 
-@_fake("geglu_mlp_backward")
-def _(grad_output, x, gate, up, h, gate_weight, up_weight, down_weight):
+@_fake("gated_mlp_backward")
+def _(grad_output, x, gate, up, h, act, gate_weight, up_weight, down_weight, activation):
     return (x.new_empty(x.shape), gate_weight.new_empty(gate_weight.shape), up_weight.new_empty(up_weight.shape),
             down_weight.new_empty(down_weight.shape))
 

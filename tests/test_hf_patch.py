@@ -74,7 +74,7 @@ def _check_step(make_model, norms_a_layer, family_dims, device, batch, seq, **di
     assert len(fused) == (layers if one_kv_gemma else 0)
     assert len(handle.left) == (layers if make_model is _gemma3 and not one_kv_gemma else 0)
     mlps = [name for name in handle.replaced if name.endswith(".mlp")]
-    assert len(mlps) == (layers if make_model is _gemma3 else 0)
+    assert len(mlps) == layers
     rotaries = [name for name in handle.replaced if name.endswith("self_attn: apply_rotary_pos_emb")]
     assert len(rotaries) == layers
     # and the final norm, and the embedding with the first layer's input norm

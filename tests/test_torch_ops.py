@@ -58,7 +58,7 @@ def test_backwards_call_the_operators_only_under_compile(monkeypatch):
     traces the operator itself."""
     names = ("fused_residual_rmsnorm_backward", "rmsnorm_backward", "embedding_rmsnorm_backward",
              "embedding_rmsnorm_backward_accumulate", "embedding_norm_backward", "qkv_qknorm_backward",
-             "decoder_layer_backward", "geglu_mlp_backward", "rope_backward")
+             "decoder_layer_backward", "gated_mlp_backward", "rope_backward")
     for name in names:
         eager = torch_ops.op(name)
         assert eager.__name__ == name and eager.__module__ == torch_ops.__name__  # the plain function
@@ -98,15 +98,16 @@ def test_qkv_fake_implementation():
     assert [o.dtype for o in outs] == [torch.bfloat16] * 4 + [torch.float32] * 2
 
 
-def test_geglu_mlp_fake_implementation():
+def test_gated_mlp_fake_implementation():
     with FakeTensorMode():
         x, g_y = (torch.empty(2, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gate, up, h = (torch.empty(2, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         wg, wu, wd = (torch.empty(shape, device="cuda", dtype=torch.bfloat16) for shape in ((128, 64), (128, 64),
                                                                                                 (64, 128)))
-        grads = torch.ops.cutebwd.geglu_mlp_backward(g_y, x, gate, up, h, wg, wu, wd)
-        assert [t.shape for t in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
-        assert all(t.dtype == torch.bfloat16 and t.device == x.device for t in grads)
+        for act, activation in ((None, "gelu_tanh"), (gate, "silu")):
+            grads = torch.ops.cutebwd.gated_mlp_backward(g_y, x, gate, up, h, act, wg, wu, wd, activation)
+            assert [t.shape for t in grads] == [x.shape, wg.shape, wu.shape, wd.shape]
+            assert all(t.dtype == torch.bfloat16 and t.device == x.device for t in grads)
 
 
 def test_rope_fake_implementation():

@@ -39,7 +39,7 @@ import dataclasses
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from ..geglu_mlp import GELU_TANH_K0, GELU_TANH_K1
+from ..gated_mlp import GELU_TANH_K0, GELU_TANH_K1
 
 
 @dataclasses.dataclass(frozen=True)
