@@ -168,13 +168,28 @@ def gradient_to_add_into(weight):
     """weight.grad where a backward may add its gradient into it in place and hand autograd None
     (gradient accumulation: one add launch a parameter less): eager (torch.compile traces a
     functional graph), no graph of the backward being built (create_graph), a bf16 contiguous
-    gradient of the weight's shape. Autograd still runs the parameter's accumulation node, with
-    nothing to add, so hooks on it (post-accumulate hooks, DDP's reducer) see the sum. Else None."""
+    gradient of the weight's shape, and a backward pass that accumulates into it (loss.backward()
+    does; autograd.grad never does, backward(inputs=...) only for the tensors named). Autograd
+    still runs the parameter's accumulation node, with nothing to add, so hooks on it
+    (post-accumulate hooks, DDP's reducer) see the sum. Else None."""
+    if not weight.is_leaf:
+        return None
     grad = weight.grad
     if (grad is None or torch.compiler.is_compiling() or torch.is_grad_enabled() or grad.dtype != torch.bfloat16
-            or grad.shape != weight.shape or not grad.is_contiguous()):
+            or grad.shape != weight.shape or not grad.is_contiguous() or not _accumulates_into(weight)):
         return None
     return grad
+
+
+def _accumulates_into(leaf) -> bool:
+    """Whether the running backward pass executes the leaf's accumulation node (the engine's own
+    test, as torch.autograd.graph's multi-grad hooks use it; ~4 us)."""
+    try:
+        with torch.enable_grad():
+            node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):  # autograd.grad raises here (it never accumulates)
+        return False
 
 
 def hand_over(weight, grad):

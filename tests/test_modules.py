@@ -175,3 +175,24 @@ def test_rms_norm_weight_gradient_accumulates_in_place_on_the_gpu(one_plus, hidd
         else:
             sums.append(earlier.float() + fresh_grad.float())
     assert (sums[0] - sums[1]).abs().max() <= 2 ** -7 * sums[1].abs().max()
+
+
+def test_gradients_asked_of_autograd_grad_leave_dot_grad_alone():
+    """autograd.grad (and backward(inputs=...) naming other tensors) never adds into `.grad`: the
+    in-place accumulation happens only in a pass that accumulates."""
+    layers = _layers(64, 4, 1, 32, "cpu")
+    module = GemmaQKVNorm(*layers, q_heads=4, kv_heads=1)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2)).bfloat16().requires_grad_()
+    weight = module.q_norm.weight
+    weight.grad = torch.ones_like(weight)
+
+    def loss():
+        return sum(o.float().square().sum() for o in module(x))
+
+    (fresh,) = torch.autograd.grad(loss(), [weight])
+    assert torch.equal(weight.grad, torch.ones_like(weight)) and fresh.abs().sum() > 0
+    torch.autograd.grad(loss(), [x])
+    loss().backward(inputs=[x])
+    assert torch.equal(weight.grad, torch.ones_like(weight))
+    loss().backward()
+    torch.testing.assert_close(weight.grad.float(), 1 + fresh.float(), rtol=1e-2, atol=1e-2)
