@@ -12,10 +12,10 @@ embedding backward's model form (embedding_backward.embedding_norm_backward).
 The table's gradient: where `weight.grad` already holds one (gradient accumulation over micro
 batches, or a tied output projection whose gradient came first) the backward adds into it in
 place (accumulate=True: only the rows the ids name are read and written) and hands autograd
-nothing for the table (modules.gradient_to_add_into: eager, no create_graph); otherwise it
-writes a fresh table and hands that to autograd (under torch.compile through
-torch.ops.cutebwd.embedding_norm_backward). On CPU tensors and shapes the kernels do not take,
-the backward is the same arithmetic in PyTorch.
+nothing for the table (modules.gradient_to_add_into: eager, a pass that accumulates, no
+create_graph); otherwise it writes a fresh table and hands that to autograd (under torch.compile
+through torch.ops.cutebwd.embedding_norm_backward). On CPU tensors and shapes the kernels do not
+take, the backward is the same arithmetic in PyTorch.
 """
 from __future__ import annotations
 
