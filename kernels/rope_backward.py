@@ -70,7 +70,8 @@ class RopeBackward:
         half = self.head_dim // (2 * PIECE)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         loaded = [cute.make_rmem_tensor((PIECE,), BFloat16) for _ in range(6)]
-        sources = (grad[b, h, s, None], cos[b, s, None], sin[b, s, None])
+        t = b % cos.shape[0]  # tables of batch 1 serve every batch (shared positions)
+        sources = (grad[b, h, s, None], cos[t, s, None], sin[t, s, None])
         for i, source in enumerate(sources):
             pieces = cute.zipped_divide(source, (PIECE,))
             cute.copy(atom, pieces[None, column], loaded[2 * i])
@@ -87,13 +88,16 @@ class RopeBackward:
 def _build(head_dim: int, arch: str, dump_dir=None):
     batch, seq = cute.sym_int32(), cute.sym_int32()
 
-    def rows(heads):  # [b, heads, s, d] bf16: any strides that keep rows 16-byte aligned
-        stride = cute.sym_int64(divisibility=PIECE)
-        return runtime.fake_tensor(BFloat16, (batch, heads, seq, head_dim), (stride, stride, stride, 1), 16)
+    def strides(count):  # free strides that keep rows 16-byte aligned, then a unit one
+        return tuple(cute.sym_int64(divisibility=PIECE) for _ in range(count)) + (1,)
 
-    def table():  # cos, sin [b, s, d]
-        return runtime.fake_tensor(BFloat16, (batch, seq, head_dim), (cute.sym_int64(divisibility=PIECE),
-                                                                       cute.sym_int64(divisibility=PIECE), 1), 16)
+    def rows(heads):  # [b, heads, s, d] bf16
+        return runtime.fake_tensor(BFloat16, (batch, heads, seq, head_dim), strides(3), 16)
+
+    table_batch = cute.sym_int32()
+
+    def table():  # cos, sin [b or 1, s, d]
+        return runtime.fake_tensor(BFloat16, (table_batch, seq, head_dim), strides(2), 16)
 
     q_heads, kv_heads = cute.sym_int32(), cute.sym_int32()
     return runtime.compile_kernel(("rope_backward", head_dim), RopeBackward(head_dim), rows(q_heads), rows(kv_heads),
@@ -107,33 +111,39 @@ def _function(head_dim: int, arch: str):
 
 
 def kernel_reads(grad_q, grad_k, cos, sin) -> bool:
-    """What the kernel takes: bf16 CUDA tensors, [b, heads, s, d] gradients and [b, s, d] tables,
-    head_dim a multiple of 16 up to MAX_HEAD_DIM, unit last strides and the others multiples of 8
-    elements, 16-byte aligned bases, fewer than 2^31 elements each."""
+    """What the kernel takes: bf16 CUDA tensors, [b, heads, s, d] gradients and [b or 1, s, d]
+    tables, head_dim a multiple of 16 up to MAX_HEAD_DIM, unit last strides and the others
+    multiples of 8 elements, 16-byte aligned bases, fewer than 2^31 elements each."""
     import torch
 
     tensors = (grad_q, grad_k, cos, sin)
-    return (grad_q.dim() == grad_k.dim() == 4 and cos.dim() == sin.dim() == 3
+    return (grad_q.dim() == grad_k.dim() == 4 and cos.dim() == sin.dim() == 3 and _shapes_match(*tensors)
             and grad_q.shape[-1] % (2 * PIECE) == 0 and grad_q.shape[-1] <= MAX_HEAD_DIM
             and all(t.is_cuda and t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                     and all(stride % PIECE == 0 for stride in t.stride()[:-1]) and t.numel() < 2**31
                     for t in tensors))
 
 
+def _shapes_match(grad_q, grad_k, cos, sin) -> bool:
+    """grad_q [b, heads, s, d] and grad_k [b, kv_heads, s, d]; cos and sin [b or 1, s, d]."""
+    batch, _, seq, head_dim = grad_q.shape
+    return ((grad_k.shape[0], grad_k.shape[2:]) == (batch, (seq, head_dim)) and cos.shape[0] in (1, batch)
+            and cos.shape[1:] == (seq, head_dim) and sin.shape == cos.shape)
+
+
 def rope_backward(grad_q, grad_k, cos, sin):
     """(dq, dk) of y = x * cos + rotate_half(x) * sin for queries and keys (module docstring):
-    grad_q [b, q_heads, s, d], grad_k [b, kv_heads, s, d], cos and sin [b, s, d], bf16 CUDA tensors
+    grad_q [b, q_heads, s, d], grad_k [b, kv_heads, s, d], cos and sin [b or 1, s, d], bf16 CUDA tensors
     as kernel_reads says; dq and dk come contiguous."""
     import torch
 
     for name, t in (("grad_q", grad_q), ("grad_k", grad_k), ("cos", cos), ("sin", sin)):
         check_tensor(name, t, dtypes=torch.bfloat16, contiguous=False)
     check_same_device(grad_q=grad_q, grad_k=grad_k, cos=cos, sin=sin)
-    batch, _, seq, head_dim = grad_q.shape
-    if (grad_k.shape[0], grad_k.shape[2:]) != (batch, (seq, head_dim)) or cos.shape != (batch, seq, head_dim) \
-            or sin.shape != cos.shape:
+    head_dim = grad_q.shape[-1]
+    if grad_q.dim() != 4 or cos.dim() != 3 or not _shapes_match(grad_q, grad_k, cos, sin):
         raise ValueError(f"grad_q {list(grad_q.shape)}, grad_k {list(grad_k.shape)}, cos {list(cos.shape)}, sin "
-                         f"{list(sin.shape)}: expected [b, heads, s, d] gradients and [b, s, d] tables")
+                         f"{list(sin.shape)}: expected [b, heads, s, d] gradients and [b or 1, s, d] tables")
     if not kernel_reads(grad_q, grad_k, cos, sin):
         raise ValueError(f"rope_backward: head_dim a multiple of {2 * PIECE} up to {MAX_HEAD_DIM}, unit last strides, "
                          f"other strides multiples of {PIECE}, 16-byte aligned; got head_dim {head_dim}, strides "

@@ -13,9 +13,11 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 
-def _inputs(batch, q_heads, kv_heads, seq, head_dim, device, seed=0):
+def _inputs(batch, q_heads, kv_heads, seq, head_dim, device, seed=0, table_batch=None):
+    """table_batch 1: the tables every sequence shares (transformers' rotary embedding of one row
+    of position ids)."""
     g = torch.Generator().manual_seed(seed)
-    angles = torch.rand(batch, seq, head_dim // 2, generator=g) * 6.3
+    angles = torch.rand(table_batch or batch, seq, head_dim // 2, generator=g) * 6.3
     angles = torch.cat((angles, angles), dim=-1)  # transformers' tables: equal halves
     q = torch.randn(batch, q_heads, seq, head_dim, generator=g)
     k = torch.randn(batch, kv_heads, seq, head_dim, generator=g)
@@ -29,8 +31,8 @@ def _gradients(function, q, k, cos, sin, grad_q, grad_k):
     return outs, torch.autograd.grad(outs, (q, k), (grad_q.to(q.dtype), grad_k.to(k.dtype)))
 
 
-def _check(device, *dims):
-    q, k, cos, sin, grad_q, grad_k = _inputs(*dims, device)
+def _check(device, *dims, table_batch=None):
+    q, k, cos, sin, grad_q, grad_k = _inputs(*dims, device, table_batch=table_batch)
     outs, got = _gradients(apply_rotary_pos_emb, q, k, cos, sin, grad_q, grad_k)
     plain, autograd = _gradients(modeling_llama.apply_rotary_pos_emb, q, k, cos, sin, grad_q, grad_k)
     assert all(torch.equal(a, b) for a, b in zip(outs, plain))  # transformers' operations
@@ -41,8 +43,9 @@ def _check(device, *dims):
     return got, (q, k, cos, sin, grad_q, grad_k)
 
 
-def test_gradients_on_cpu():
-    _check("cpu", 2, 4, 1, 7, 32)
+@pytest.mark.parametrize("table_batch", [None, 1])
+def test_gradients_on_cpu(table_batch):
+    _check("cpu", 2, 4, 1, 7, 32, table_batch=table_batch)
 
 
 def test_calls_it_does_not_cover_run_transformers_operations():
@@ -70,10 +73,12 @@ def test_patch_binds_it_on_the_attentions_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dims", [(2, 4, 1, 64, 256), (1, 32, 8, 300, 128), (2, 8, 2, 17, 16)])
-def test_kernel_on_the_gpu(dims):
-    """Gemma-3-270m's heads, Qwen3-4B's, and a small head; against the reference too."""
-    got, (q, k, cos, sin, grad_q, grad_k) = _check("cuda", *dims)
+@pytest.mark.parametrize("dims,table_batch", [((2, 4, 1, 64, 256), None), ((1, 32, 8, 300, 128), None),
+                                              ((2, 8, 2, 17, 16), None), ((3, 4, 1, 33, 32), 1)])
+def test_kernel_on_the_gpu(dims, table_batch):
+    """Gemma-3-270m's heads, Qwen3-4B's, a small head, and tables every sequence shares; against
+    the reference too."""
+    got, (q, k, cos, sin, grad_q, grad_k) = _check("cuda", *dims, table_batch=table_batch)
     want = rope_backward_reference(grad_q, grad_k, cos, sin)
     for a, b in zip(got, want):
         assert relative_error(a, b) < 1e-3
