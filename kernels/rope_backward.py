@@ -110,18 +110,24 @@ def _function(head_dim: int, arch: str):
     return runtime.ffi_function(_build(head_dim, arch))
 
 
-def kernel_reads(grad_q, grad_k, cos, sin) -> bool:
-    """What the kernel takes: bf16 CUDA tensors, [b, heads, s, d] gradients and [b or 1, s, d]
-    tables, head_dim a multiple of 16 up to MAX_HEAD_DIM, unit last strides and the others
-    multiples of 8 elements, 16-byte aligned bases, fewer than 2^31 elements each."""
+def kernel_takes(grad_q, grad_k, cos, sin) -> bool:
+    """The part of kernel_reads that torch.compile can decide while it traces: bf16 CUDA tensors,
+    [b, heads, s, d] gradients and [b or 1, s, d] tables, head_dim a multiple of 16 up to
+    MAX_HEAD_DIM."""
     import torch
 
-    tensors = (grad_q, grad_k, cos, sin)
-    return (grad_q.dim() == grad_k.dim() == 4 and cos.dim() == sin.dim() == 3 and _shapes_match(*tensors)
+    return (grad_q.dim() == grad_k.dim() == 4 and cos.dim() == sin.dim() == 3
+            and _shapes_match(grad_q, grad_k, cos, sin)
             and grad_q.shape[-1] % (2 * PIECE) == 0 and grad_q.shape[-1] <= MAX_HEAD_DIM
-            and all(t.is_cuda and t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-                    and all(stride % PIECE == 0 for stride in t.stride()[:-1]) and t.numel() < 2**31
-                    for t in tensors))
+            and all(t.is_cuda and t.dtype == torch.bfloat16 for t in (grad_q, grad_k, cos, sin)))
+
+
+def kernel_reads(grad_q, grad_k, cos, sin) -> bool:
+    """What the kernel takes: kernel_takes, and unit last strides, the others multiples of 8
+    elements, 16-byte aligned bases, fewer than 2^31 elements each."""
+    return kernel_takes(grad_q, grad_k, cos, sin) and all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(stride % PIECE == 0 for stride in t.stride()[:-1])
+        and t.numel() < 2**31 for t in (grad_q, grad_k, cos, sin))
 
 
 def _shapes_match(grad_q, grad_k, cos, sin) -> bool:

@@ -3,11 +3,12 @@
 
     apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) -> (q_embed, k_embed)
         the forward is transformers' own operations (bitwise its output); q, k [b, heads, s, d],
-        cos, sin [b, s, d]. It saves cos and sin only.
+        cos, sin [b or 1, s, d]. It saves cos and sin only.
 
-On CUDA bf16 tensors the kernel reads (rope_backward.kernel_reads) the backward is the kernel (as
-torch.ops.cutebwd.rope_backward under torch.compile); elsewhere the same arithmetic in PyTorch
-(rope_backward_reference), fp32 with one rounding. Calls this function does not cover (another
+On CUDA bf16 tensors of shapes the kernel takes (rope_backward.kernel_takes) the backward is the
+operator torch.ops.cutebwd.rope_backward (eagerly the function behind it): the kernel where it reads
+the tensors' strides and alignment, else the same arithmetic in PyTorch (rope_backward_reference),
+fp32 with one rounding, as everywhere else. Calls this function does not cover (another
 unsqueeze_dim, cos or sin needing a gradient) run transformers' operations with autograd's
 backward.
 """
@@ -39,9 +40,9 @@ class _RotaryFunction(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
         if grad_q is not None and grad_k is not None and grad_q.is_cuda:
-            from .rope_backward import kernel_reads
+            from .rope_backward import kernel_takes
 
-            if kernel_reads(grad_q, grad_k, cos, sin):
+            if kernel_takes(grad_q, grad_k, cos, sin):  # strides and alignment: the operator's call
                 return (*op("rope_backward")(grad_q, grad_k, cos, sin), None, None)
         return (*rope_backward_reference(grad_q, grad_k, cos, sin), None, None)
 

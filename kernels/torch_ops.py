@@ -190,10 +190,12 @@ def _(grad_output, x, gate, up, h, act, gate_weight, up_weight, down_weight, act
 @_custom_op("rope_backward")
 def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary embedding's backward for queries and keys -> (dq, dk); see kernels/rope_backward.py."""
-    from .rope_backward import rope_backward as run
+    """The rotary embedding's backward for queries and keys -> (dq, dk): kernels/rope_backward.py
+    where the kernel reads the tensors (kernel_reads), else the same arithmetic in PyTorch."""
+    from .rope_backward import kernel_reads, rope_backward as run
+    from .rotary import rope_backward_reference
 
-    return run(grad_q, grad_k, cos, sin)
+    return (run if kernel_reads(grad_q, grad_k, cos, sin) else rope_backward_reference)(grad_q, grad_k, cos, sin)
 
 
 @_fake("rope_backward")
