@@ -686,6 +686,8 @@ AUDIT_CASES = (
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DSWIGLU),  # the decoder layer's g_sw product
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", DGEGLU),  # Gemma's MLP: g_h = g_y . Wd
     (GemmTiling(pingpong=True, cluster_m=2), True, False, "bfloat16", ADD),
+    # a weight's gradient added into its .grad: dW += dY^T . X (A and B M-major; gated_mlp)
+    (GemmTiling(pingpong=True, cluster_m=2), False, False, "bfloat16", ADD),
     # The decoder layer's g_ao = g_attn . Wo with D = rowsum(g_ao * P v) per head (160 columns)
     (GemmTiling(tile_n=160, cluster_m=2), True, False, "bfloat16", ROW_DOT),
     # The decoder layer's g_s = P * (g_p - D) / sqrt(160) from g_p = g_ao . v^T (one head's [s, s] scores)
