@@ -84,13 +84,17 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
                            cos, sin, attn_weights, attn_output, residual2, ffn_input, gate, up, silu_up,
                            swiglu_output, input_ln_weight, q_weight, k_weight, v_weight, o_weight,
                            post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1, variance2,
-                           hidden_states_normalized1, hidden_states_normalized2, eps, *, out=None):
+                           hidden_states_normalized1, hidden_states_normalized2, eps, *, out=None, add_into=None):
     """The decoder layer backward: -> (grad_input, grad_input_ln_weight, grad_q_weight,
     grad_k_weight, grad_v_weight, grad_o_weight, grad_post_attn_ln_weight, grad_gate_weight,
     grad_up_weight, grad_down_weight), as semantics.md says. Per-head inputs may be
     [b, heads, s, d] views of [b, s, heads, d] storage (read through their strides, never
     copied); query_states, key_states, value_states and key_states_rotated are not read (the
-    math does not need them) but are checked. `out`: the ten outputs to write into. The
+    math does not need them) but are checked. `out`: the ten outputs to write into. `add_into`:
+    {name: tensor} for some of the seven projection weights' gradients (ADDABLE), each added
+    into in place (the GEMM's `add` epilogue: tensor += this call's gradient, rounded once) and
+    returned in its place, as a training step accumulating gradients wants (one add launch a
+    weight less); a group's products (gate/up, q/k/v) then run one by one. The
     norm-weight gradients are bitwise repeatable; the products are (the GEMM core's fixed-order
     stream-K). Intermediates come from PyTorch's caching allocator; head_dim must be a multiple
     of 32 (the inverse RoPE's tiles), every width a multiple of 8."""
@@ -106,16 +110,19 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
     if first:
         _checked.first_call(args, eps, dims)
     outs = _outputs(out, args, dims[2], check=first)
+    adds = ()
+    if add_into:
+        outs, adds = _with_added(outs, add_into, args)
     try:
-        return _backward(args, float(eps), dims, outs)
+        return _backward(args, float(eps), dims, outs, adds)
     except Exception:
         _check_inputs(args, eps, dims)  # a kernel's C entry point refused an argument: say which, in our words
         _outputs(out, args, dims[2], check=True)
         raise
 
 
-def _backward(args, eps, dims, outs):
-    """The fourteen steps on checked arguments."""
+def _backward(args, eps, dims, outs, adds=()):
+    """The fourteen steps on checked arguments; `adds`: the outputs' indices added into."""
     import torch
 
     (grad_output, residual, attn_input, _, _, _, query_states_rotated, _, key_states_repeated, value_states_repeated,
@@ -127,8 +134,9 @@ def _backward(args, eps, dims, outs):
      grad_post_attn_ln_weight, grad_gate_weight, grad_up_weight, grad_down_weight) = outs
     tokens = batch * seq
     if tokens == 0:
-        for t in outs[1:]:
-            t.zero_()
+        for i, t in enumerate(outs[1:], 1):
+            if i not in adds:
+                t.zero_()
         return outs
     bf16, fp32 = torch.bfloat16, torch.float32
     device = grad_output.device
@@ -144,10 +152,10 @@ def _backward(args, eps, dims, outs):
     summed_tiling = SHORT_SUMMED if low <= tokens <= high else None
     # 1-4: the SwiGLU FFN.
     g_gate, g_up = matmul_nt(go, down_weight.t(), epilogue="dswiglu", inputs=(flat(gate), flat(up), flat(silu_up)))
-    matmul_nt(go.t(), flat(swiglu_output).t(), out=grad_down_weight)
+    _weight_gradients([go.t()], flat(swiglu_output).t(), [grad_down_weight], adds, [9])
     g_ffn = matmul_nt_summed([(g_gate, gate_weight.t()), (g_up, up_weight.t())], out_dtype=fp32,
                              tiling=summed_tiling)
-    matmul_nt_grouped([g_gate.t(), g_up.t()], flat(ffn_input).t(), outs=(grad_gate_weight, grad_up_weight))
+    _weight_gradients([g_gate.t(), g_up.t()], flat(ffn_input).t(), [grad_gate_weight, grad_up_weight], adds, [7, 8])
     del g_gate, g_up
     # 5: the post-attention norm; residual2's gradient also carries go straight through.
     g_attn = torch.empty_like(grad_output)
@@ -163,7 +171,7 @@ def _backward(args, eps, dims, outs):
     d_rows = torch.empty(tokens, q_heads, dtype=fp32, device=device)
     matmul_nt(flat(g_attn), o_weight.t(), out=g_ao, epilogue="row_dot", inputs=(pv,), rows=d_rows)
     del pv
-    matmul_nt(flat(g_attn).t(), flat(attn_output).t(), out=grad_o_weight)
+    _weight_gradients([flat(g_attn).t()], flat(attn_output).t(), [grad_o_weight], adds, [5])
     # 9-11 in the order that frees the [b, heads, s, s] tensors soonest (P's padded copy and g_s
     # are each 210 MB at 449 x 16): dv first (P and g_ao only), then g_s, then dq and dk from it.
     # dq, dk, dv each go into their [T, heads * d] rows through the head view; dk and dv sum each
@@ -194,12 +202,46 @@ def _backward(args, eps, dims, outs):
     del g_s
     # 12-14: the q/k/v projections and the input norm.
     g_ai = matmul_nt_summed([(dq, q_weight.t()), (dk, k_weight.t()), (dv, v_weight.t())], out_dtype=fp32)
-    matmul_nt_grouped([dq.t(), dk.t(), dv.t()], flat(attn_input).t(),
-                      outs=(grad_q_weight, grad_k_weight, grad_v_weight))
+    _weight_gradients([dq.t(), dk.t(), dv.t()], flat(attn_input).t(), [grad_q_weight, grad_k_weight, grad_v_weight],
+                      adds, [2, 3, 4])
     rmsnorm_backward.residual_norm_backward(g_ai.view(batch, seq, hidden), residual, hidden_states_normalized1,
                                             variance1, eps, input_ln_weight, g_attn, grad_input,
                                             grad_input_ln_weight)
     return outs
+
+
+def _weight_gradients(a_list, b, outs, adds, indices):
+    """outs[i] = A_i . B^T (a group sharing B as one grouped product), or += where the output's
+    index is in `adds` (then one product each: the group has no `add` epilogue)."""
+    added = [i in adds for i in indices]
+    if len(a_list) > 1 and not any(added):
+        matmul_nt_grouped(a_list, b, outs=outs)
+        return
+    for a, out, add in zip(a_list, outs, added):
+        matmul_nt(a, b, out=out, epilogue="add" if add else "store")
+
+
+# The outputs add_into may name, and the weight each is the gradient of.
+ADDABLE = {"grad_q_weight": "q_weight", "grad_k_weight": "k_weight", "grad_v_weight": "v_weight",
+           "grad_o_weight": "o_weight", "grad_gate_weight": "gate_weight", "grad_up_weight": "up_weight",
+           "grad_down_weight": "down_weight"}
+
+
+def _with_added(outs, add_into, args):
+    """(the outputs with add_into's tensors in their places, their indices), each checked (every
+    call: a few microseconds against a layer's milliseconds)."""
+    import torch
+
+    from .checks import check_same_device, check_tensor
+
+    if not isinstance(add_into, dict) or not set(add_into) <= set(ADDABLE):
+        raise ValueError(f"add_into: a dict from some of {tuple(ADDABLE)} to the tensors to add into")
+    outs = list(outs)
+    for name, t in add_into.items():
+        check_tensor(f"add_into[{name}]", t, dtypes=torch.bfloat16, shape=tuple(args[ADDABLE[name]].shape))
+        check_same_device(grad_output=args["grad_output"], **{f"add_into[{name}]": t})
+        outs[OUTPUTS.index(name)] = t
+    return tuple(outs), frozenset(OUTPUTS.index(name) for name in add_into)
 
 
 def gemm_calls(batch: int, seq: int, dims: dict | None = None) -> list[GemmCall]:

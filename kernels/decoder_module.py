@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..references import decoder_layer as contract
+from .modules import gradient_to_add_into, hand_over
 from .torch_ops import op
 
 
@@ -104,14 +105,26 @@ class _DecoderLayerFunction(torch.autograd.Function):
                 query_rotated, key_rotated, key_repeated, value_repeated, cos, sin, probs, attn_output, residual2,
                 ffn_input, up, gate, silu_gate, swiglu_output, w.input_ln, w.q, w.k, w.v, w.o, w.post_attn_ln,
                 w.up, w.gate, w.down, variance1, variance2, normalized1, normalized2, ctx.eps)
-        if grad_output.is_cuda:
+        # The projections' gradients go into an accumulating .grad in place (gradient_to_add_into),
+        # in the contract's names: its gate is the model's up and its up the model's gate.
+        into = {name: grad for name, weight in (("grad_q_weight", w.q), ("grad_k_weight", w.k),
+                                                 ("grad_v_weight", w.v), ("grad_o_weight", w.o),
+                                                 ("grad_gate_weight", w.up), ("grad_up_weight", w.gate),
+                                                 ("grad_down_weight", w.down))
+                if (grad := gradient_to_add_into(weight)) is not None} if grad_output.is_cuda else {}
+        if into:
+            from .decoder_layer_backward import decoder_layer_backward
+
+            grads = decoder_layer_backward(*args, add_into=into)
+        elif grad_output.is_cuda:
             grads = op("decoder_layer_backward")(*args)
         else:
             grads = contract.decoder_layer_backward(*args)
+        grads = [None if any(g is t for t in into.values()) else g for g in grads]
         (grad_input, grad_input_ln, grad_q, grad_k, grad_v, grad_o, grad_post_attn_ln, grad_up, grad_gate,
          grad_down) = grads
-        weight_grads = (grad_input_ln.to(w.input_ln.dtype), grad_q, grad_k, grad_v, grad_o,
-                        grad_post_attn_ln.to(w.post_attn_ln.dtype), grad_gate, grad_up, grad_down)
+        weight_grads = (hand_over(w.input_ln, grad_input_ln), grad_q, grad_k, grad_v, grad_o,
+                        hand_over(w.post_attn_ln, grad_post_attn_ln), grad_gate, grad_up, grad_down)
         return (grad_input, None, None, None, None, None, None, *weight_grads)
 
 

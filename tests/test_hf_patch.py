@@ -148,6 +148,35 @@ def _check_whole_layers(device, batch, seq, **dims):
         torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+def test_whole_decoder_layers_accumulate_gradients_in_place_on_the_gpu():
+    """Two micro-batches without zeroing: the second backward adds every projection weight's
+    gradient into the `.grad` the first left (the same tensors, added in place) and the sums meet
+    the contract's rule against the unpatched model's accumulation."""
+    dims = {**WHOLE_LAYER_DIMS, "hidden": 1024, "heads": 8, "kv_heads": 2, "layers": 1}
+    exact_model = _mistral(**dims).to("cuda", torch.float64)
+    model = _mistral(**dims).to("cuda", torch.bfloat16)
+    patched = copy.deepcopy(model)
+    cutebwd.patch(patched, decoder_layers=True)
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 64), generator=generator).to("cuda") for _ in range(2)]
+    grads = []
+    for m in (exact_model, model, patched):
+        m.zero_grad(set_to_none=True)
+        m(input_ids=batches[0], labels=batches[0], use_cache=False).loss.backward()
+        first = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        m(input_ids=batches[1], labels=batches[1], use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    exact, want, got = grads
+    projections = [n for n in got if n.endswith("proj.weight")]
+    assert len(projections) == 7
+    assert all(got[n] is first[n] for n in projections)  # added into, not replaced
+    names = sorted(want)
+    assert sorted(got) == names
+    assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, [exact[n] for n in names],
+                  "whole decoder layers, two micro-batches accumulated")
+
+
 def _graph_nodes(node) -> list[str]:
     """The names of the autograd graph's nodes reachable from `node`, each once."""
     seen, names, stack = set(), [], [node]
