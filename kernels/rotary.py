@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..references.decoder_layer import rotate_half
 from .torch_ops import op
-
-
-def rotate_half(x):
-    """transformers' rotate_half: (-x2, x1) for the halves x1, x2 of the last dim."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rotate(q, k, cos, sin):
