@@ -145,7 +145,6 @@ def rope_backward(grad_q, grad_k, cos, sin):
 
     for name, t in (("grad_q", grad_q), ("grad_k", grad_k), ("cos", cos), ("sin", sin)):
         check_tensor(name, t, dtypes=torch.bfloat16, contiguous=False)
-    check_same_device(grad_q=grad_q, grad_k=grad_k, cos=cos, sin=sin)
     head_dim = grad_q.shape[-1]
     if grad_q.dim() != 4 or cos.dim() != 3 or not _shapes_match(grad_q, grad_k, cos, sin):
         raise ValueError(f"grad_q {list(grad_q.shape)}, grad_k {list(grad_k.shape)}, cos {list(cos.shape)}, sin "
@@ -154,10 +153,19 @@ def rope_backward(grad_q, grad_k, cos, sin):
         raise ValueError(f"rope_backward: head_dim a multiple of {2 * PIECE} up to {MAX_HEAD_DIM}, unit last strides, "
                          f"other strides multiples of {PIECE}, 16-byte aligned; got head_dim {head_dim}, strides "
                          f"{[t.stride() for t in (grad_q, grad_k, cos, sin)]}")
+    return launch(grad_q, grad_k, cos, sin)
+
+
+def launch(grad_q, grad_k, cos, sin):
+    """rope_backward on tensors kernel_reads has passed (the operator's call decides that first, so
+    a call checks them once)."""
+    import torch
+
+    check_same_device(grad_q=grad_q, grad_k=grad_k, cos=cos, sin=sin)
     dq, dk = torch.empty_like(grad_q, memory_format=torch.contiguous_format), \
         torch.empty_like(grad_k, memory_format=torch.contiguous_format)
     if grad_q.numel() + grad_k.numel():
-        _function(head_dim, runtime.device_arch(grad_q.device.index))(grad_q, grad_k, cos, sin, dq, dk)
+        _function(grad_q.shape[-1], runtime.device_arch(grad_q.device.index))(grad_q, grad_k, cos, sin, dq, dk)
     return dq, dk
 
 

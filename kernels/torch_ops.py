@@ -192,10 +192,10 @@ def rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary embedding's backward for queries and keys -> (dq, dk): kernels/rope_backward.py
     where the kernel reads the tensors (kernel_reads), else the same arithmetic in PyTorch."""
-    from .rope_backward import kernel_reads, rope_backward as run
+    from .rope_backward import kernel_reads, launch
     from .rotary import rope_backward_reference
 
-    return (run if kernel_reads(grad_q, grad_k, cos, sin) else rope_backward_reference)(grad_q, grad_k, cos, sin)
+    return (launch if kernel_reads(grad_q, grad_k, cos, sin) else rope_backward_reference)(grad_q, grad_k, cos, sin)
 
 
 @_fake("rope_backward")
