@@ -49,7 +49,7 @@ from ..references import decoder_layer as contract
 from ..references.inputs import model_dims
 from . import errors, padded_rows, rmsnorm_backward
 from .calls import CallCache
-from .gemm import GemmCall, matmul_nt, matmul_nt_batched, matmul_nt_grouped, matmul_nt_summed, summed_k
+from .gemm import GemmCall, matmul_nt, matmul_nt_batched, matmul_nt_summed, summed_k, weight_gradients
 from .gemm.epilogue import DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD
 
 # The contract's tensor inputs in signature order (eps follows them) and its outputs.
@@ -152,10 +152,11 @@ def _backward(args, eps, dims, outs, adds=()):
     summed_tiling = SHORT_SUMMED if low <= tokens <= high else None
     # 1-4: the SwiGLU FFN.
     g_gate, g_up = matmul_nt(go, down_weight.t(), epilogue="dswiglu", inputs=(flat(gate), flat(up), flat(silu_up)))
-    _weight_gradients([go.t()], flat(swiglu_output).t(), [grad_down_weight], adds, [9])
+    weight_gradients([go.t()], flat(swiglu_output).t(), [grad_down_weight], [9 in adds])
     g_ffn = matmul_nt_summed([(g_gate, gate_weight.t()), (g_up, up_weight.t())], out_dtype=fp32,
                              tiling=summed_tiling)
-    _weight_gradients([g_gate.t(), g_up.t()], flat(ffn_input).t(), [grad_gate_weight, grad_up_weight], adds, [7, 8])
+    weight_gradients([g_gate.t(), g_up.t()], flat(ffn_input).t(), [grad_gate_weight, grad_up_weight],
+                     [7 in adds, 8 in adds])
     del g_gate, g_up
     # 5: the post-attention norm; residual2's gradient also carries go straight through.
     g_attn = torch.empty_like(grad_output)
@@ -171,7 +172,7 @@ def _backward(args, eps, dims, outs, adds=()):
     d_rows = torch.empty(tokens, q_heads, dtype=fp32, device=device)
     matmul_nt(flat(g_attn), o_weight.t(), out=g_ao, epilogue="row_dot", inputs=(pv,), rows=d_rows)
     del pv
-    _weight_gradients([flat(g_attn).t()], flat(attn_output).t(), [grad_o_weight], adds, [5])
+    weight_gradients([flat(g_attn).t()], flat(attn_output).t(), [grad_o_weight], [5 in adds])
     # 9-11 in the order that frees the [b, heads, s, s] tensors soonest (P's padded copy and g_s
     # are each 210 MB at 449 x 16): dv first (P and g_ao only), then g_s, then dq and dk from it.
     # dq, dk, dv each go into their [T, heads * d] rows through the head view; dk and dv sum each
@@ -202,23 +203,12 @@ def _backward(args, eps, dims, outs, adds=()):
     del g_s
     # 12-14: the q/k/v projections and the input norm.
     g_ai = matmul_nt_summed([(dq, q_weight.t()), (dk, k_weight.t()), (dv, v_weight.t())], out_dtype=fp32)
-    _weight_gradients([dq.t(), dk.t(), dv.t()], flat(attn_input).t(), [grad_q_weight, grad_k_weight, grad_v_weight],
-                      adds, [2, 3, 4])
+    weight_gradients([dq.t(), dk.t(), dv.t()], flat(attn_input).t(), [grad_q_weight, grad_k_weight, grad_v_weight],
+                     [i in adds for i in (2, 3, 4)])
     rmsnorm_backward.residual_norm_backward(g_ai.view(batch, seq, hidden), residual, hidden_states_normalized1,
                                             variance1, eps, input_ln_weight, g_attn, grad_input,
                                             grad_input_ln_weight)
     return outs
-
-
-def _weight_gradients(a_list, b, outs, adds, indices):
-    """outs[i] = A_i . B^T (a group sharing B as one grouped product), or += where the output's
-    index is in `adds` (then one product each: the group has no `add` epilogue)."""
-    added = [i in adds for i in indices]
-    if len(a_list) > 1 and not any(added):
-        matmul_nt_grouped(a_list, b, outs=outs)
-        return
-    for a, out, add in zip(a_list, outs, added):
-        matmul_nt(a, b, out=out, epilogue="add" if add else "store")
 
 
 # The outputs add_into may name, and the weight each is the gradient of.

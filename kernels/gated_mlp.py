@@ -86,7 +86,7 @@ def gated_mlp_backward(grad_output, x, gate, up, h, act, gate_weight, up_weight,
     weight, a gradient to add its own into in place (the `add` epilogue), returned as None: the
     down projection's, and the gate's and up's together (two launches for the two, where the
     fresh pair is one)."""
-    from .gemm import matmul_nt, matmul_nt_grouped, matmul_nt_summed
+    from .gemm import matmul_nt, matmul_nt_summed, weight_gradients
 
     g_y, x2, gate2, up2, h2 = (t.reshape(-1, t.shape[-1]) for t in (grad_output, x, gate, up, h))
     if activation == "silu":  # dswiglu's h = gate' * silu(up'): gate' = up, up' = gate
@@ -95,19 +95,16 @@ def gated_mlp_backward(grad_output, x, gate, up, h, act, gate_weight, up_weight,
     else:
         g_gate, g_up = matmul_nt(g_y, down_weight.t(), epilogue="dgeglu", inputs=(gate2, up2))
     into_gate, into_up, into_down = into
-    grad_down_weight = None
-    if into_down is not None:
-        matmul_nt(g_y.t(), h2.t(), out=into_down, epilogue="add")
-    else:
-        grad_down_weight = matmul_nt(g_y.t(), h2.t())
+    adds_down = into_down is not None
+    (grad_down_weight,) = weight_gradients([g_y.t()], h2.t(), [into_down], [adds_down])
     grad_x = matmul_nt_summed([(g_gate, gate_weight.t()), (g_up, up_weight.t())])
-    grad_gate_weight = grad_up_weight = None
-    if into_gate is not None and into_up is not None:
-        matmul_nt(g_gate.t(), x2.t(), out=into_gate, epilogue="add")
-        matmul_nt(g_up.t(), x2.t(), out=into_up, epilogue="add")
-    else:
-        grad_gate_weight, grad_up_weight = matmul_nt_grouped([g_gate.t(), g_up.t()], x2.t())
-    return grad_x.view(x.shape), grad_gate_weight, grad_up_weight, grad_down_weight
+    adds_both = into_gate is not None and into_up is not None
+    grad_gate_weight, grad_up_weight = weight_gradients([g_gate.t(), g_up.t()], x2.t(),
+                                                        [into_gate, into_up] if adds_both else [None, None],
+                                                        [adds_both] * 2)
+    if adds_both:
+        grad_gate_weight = grad_up_weight = None
+    return grad_x.view(x.shape), grad_gate_weight, grad_up_weight, None if adds_down else grad_down_weight
 
 
 def gated_mlp_backward_reference(grad_output, x, gate, up, h, act, gate_weight, up_weight, down_weight,

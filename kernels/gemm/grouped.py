@@ -54,6 +54,16 @@ def matmul_nt_grouped(a_list, b, *, outs=None, out_dtype=None, tiling: GemmTilin
     return outs
 
 
+def weight_gradients(a_list, b, outs, adds):
+    """[A_i . B^T] into outs (tensors, or None to allocate), += where adds[i] (the `add` epilogue,
+    out required): a linear layer's weight gradients dW_i = dY_i^T . X, added into an accumulating
+    .grad. Several that only store are one grouped product; where any adds, one product each (the
+    group has no `add` epilogue). Returns the results."""
+    if len(a_list) > 1 and not any(adds):
+        return matmul_nt_grouped(a_list, b, outs=outs)
+    return [matmul_nt(a, b, out=out, epilogue="add" if add else "store") for a, out, add in zip(a_list, outs, adds)]
+
+
 def _without_empty_products(a_list, b, outs, out_dtype, tiling, stream_k):
     """Some M_i = 0: those results are empty; the others run as one product or a smaller group."""
     import torch
