@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..references import decoder_layer as contract
-from .modules import gradient_to_add_into, hand_over
+from .modules import accumulation_nodes, gradient_to_add_into, hand_over
 from .torch_ops import op
 
 
@@ -107,11 +107,14 @@ class _DecoderLayerFunction(torch.autograd.Function):
                 w.up, w.gate, w.down, variance1, variance2, normalized1, normalized2, ctx.eps)
         # The projections' gradients go into an accumulating .grad in place (gradient_to_add_into),
         # in the contract's names: its gate is the model's up and its up the model's gate.
-        into = {name: grad for name, weight in (("grad_q_weight", w.q), ("grad_k_weight", w.k),
-                                                 ("grad_v_weight", w.v), ("grad_o_weight", w.o),
-                                                 ("grad_gate_weight", w.up), ("grad_up_weight", w.gate),
-                                                 ("grad_down_weight", w.down))
-                if (grad := gradient_to_add_into(weight)) is not None} if grad_output.is_cuda else {}
+        weight_count = len(LayerWeights._fields)  # the last tensor inputs (attention_mask may be None)
+        nodes = LayerWeights(*accumulation_nodes(ctx, len(ctx.next_functions) - weight_count, weight_count))
+        into = {name: grad for name, weight, node in (("grad_q_weight", w.q, nodes.q), ("grad_k_weight", w.k, nodes.k),
+                                                       ("grad_v_weight", w.v, nodes.v), ("grad_o_weight", w.o, nodes.o),
+                                                       ("grad_gate_weight", w.up, nodes.up),
+                                                       ("grad_up_weight", w.gate, nodes.gate),
+                                                       ("grad_down_weight", w.down, nodes.down))
+                if (grad := gradient_to_add_into(weight, node)) is not None} if grad_output.is_cuda else {}
         if into:
             from .decoder_layer_backward import decoder_layer_backward
 
@@ -123,8 +126,9 @@ class _DecoderLayerFunction(torch.autograd.Function):
         grads = [None if any(g is t for t in into.values()) else g for g in grads]
         (grad_input, grad_input_ln, grad_q, grad_k, grad_v, grad_o, grad_post_attn_ln, grad_up, grad_gate,
          grad_down) = grads
-        weight_grads = (hand_over(w.input_ln, grad_input_ln), grad_q, grad_k, grad_v, grad_o,
-                        hand_over(w.post_attn_ln, grad_post_attn_ln), grad_gate, grad_up, grad_down)
+        weight_grads = (hand_over(w.input_ln, grad_input_ln, nodes.input_ln), grad_q, grad_k, grad_v, grad_o,
+                        hand_over(w.post_attn_ln, grad_post_attn_ln, nodes.post_attn_ln), grad_gate, grad_up,
+                        grad_down)
         return (grad_input, None, None, None, None, None, None, *weight_grads)
 
 

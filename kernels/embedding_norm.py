@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..references.rmsnorm import normalized_dx
-from .modules import gradient_to_add_into, hand_over, kernel_reads, kernel_weight, rms_norm_forward
+from .modules import accumulation_nodes, gradient_to_add_into, hand_over, kernel_reads, kernel_weight, rms_norm_forward
 from .torch_ops import op
 
 
@@ -51,13 +51,14 @@ class _EmbeddingNormFunction(torch.autograd.Function):
         # the norm weight's gradient comes in this weight's dtype
         scale = kernel_weight(norm_weight, norm_scale)
         rows = (grad_normed.contiguous(), input_ids, embeds, rstd, scale, grad_embeds.contiguous(), ctx.embed_scale)
-        into = gradient_to_add_into(weight)
+        table_node, norm_node = accumulation_nodes(ctx, 1, 2)
+        into = gradient_to_add_into(weight, table_node)
         if into is not None:
             grad_norm_weight = _add_table_gradient(into, *rows, ctx.padding_idx)
             table = None
         else:
             table, grad_norm_weight = op("embedding_norm_backward")(*rows, weight.shape[0], ctx.padding_idx)
-        return None, table, hand_over(norm_weight, grad_norm_weight), None, None, None, None
+        return None, table, hand_over(norm_weight, grad_norm_weight, norm_node), None, None, None, None
 
 
 @torch.compiler.assume_constant_result  # a number, not a tensor, in a compiled graph

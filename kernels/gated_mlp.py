@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .modules import gradient_to_add_into
+from .modules import accumulation_nodes, gradient_to_add_into
 from .torch_ops import op
 
 GELU_TANH_K0, GELU_TANH_K1 = 0.7978845608028654, 0.044715  # sqrt(2 / pi); the cubic term's weight
@@ -39,28 +39,44 @@ ACTIVATIONS = ("gelu_tanh", "silu")
 class _GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, activation):
-        gate = torch.nn.functional.linear(x, gate_weight)
-        up = torch.nn.functional.linear(x, up_weight)
-        if activation == "silu":
-            act = torch.nn.functional.silu(gate)
-            h = act * up
-        else:
-            act, h = None, torch.nn.functional.gelu(gate, approximate="tanh") * up
-        ctx.save_for_backward(x, gate, up, h, act, gate_weight, up_weight, down_weight)
+        y, saved = gated_mlp_forward(x, gate_weight, up_weight, down_weight, activation)
+        ctx.save_for_backward(*saved, gate_weight, up_weight, down_weight)
         ctx.activation = activation
-        return torch.nn.functional.linear(h, down_weight)
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
         saved = ctx.saved_tensors
-        x, gate, weights = saved[0], saved[1], saved[5:]
-        rows = (grad_output.contiguous(), *saved, ctx.activation)
-        if not (x.is_cuda and kernels_read(x, gate, *weights)):
-            return (*gated_mlp_backward_reference(*rows), None)
-        into = [gradient_to_add_into(w) for w in weights]
-        if any(g is not None for g in into):
-            return (*gated_mlp_backward(*rows, into=into), None)
-        return (*op("gated_mlp_backward")(*rows), None)
+        grads = gated_mlp_grads(grad_output, saved[:5], saved[5:], ctx.activation, accumulation_nodes(ctx, 1, 3))
+        return (*grads, None)
+
+
+def gated_mlp_forward(x, gate_weight, up_weight, down_weight, activation: str):
+    """(y, what gated_mlp_grads reads: x, gate, up, h and silu's act(gate) or None), transformers'
+    own operations."""
+    gate = torch.nn.functional.linear(x, gate_weight)
+    up = torch.nn.functional.linear(x, up_weight)
+    if activation == "silu":
+        act = torch.nn.functional.silu(gate)
+        h = act * up
+    else:
+        act, h = None, torch.nn.functional.gelu(gate, approximate="tanh") * up
+    return torch.nn.functional.linear(h, down_weight), (x, gate, up, h, act)
+
+
+def gated_mlp_grads(grad_output, saved, weights, activation: str, nodes=(None, None, None)):
+    """-> (grad_x, grad_gate_weight, grad_up_weight, grad_down_weight) for gated_mlp_forward's
+    `saved` and the (gate, up, down) `weights`: the kernels where they read the tensors (weight
+    gradients None where added into their .grad in place; `nodes`: the weights' accumulation
+    nodes), else the reference."""
+    x, gate = saved[0], saved[1]
+    rows = (grad_output.contiguous(), *saved, *weights, activation)
+    if not (x.is_cuda and kernels_read(x, gate, *weights)):
+        return gated_mlp_backward_reference(*rows)
+    into = [gradient_to_add_into(w, node) for w, node in zip(weights, nodes)]
+    if any(g is not None for g in into):
+        return gated_mlp_backward(*rows, into=into)
+    return op("gated_mlp_backward")(*rows)
 
 
 def kernels_read(x, gate, *weights) -> bool:

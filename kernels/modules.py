@@ -33,38 +33,55 @@ class _QKVNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_heads, kv_heads,
                 eps):
-        batch, seq, _ = hidden_states.shape
-        head_dim = q_norm_weight.shape[0]
-
-        def heads(weight, count):  # x . W^T as [b, heads, s, d], a view of [b, s, heads, d]
-            return (hidden_states @ weight.t()).view(batch, seq, count, head_dim).transpose(1, 2)
-
-        def gemma_norm(x, weight):  # Gemma3's RMSNorm: fp32 math, scale (1 + w), rounded to x's dtype
-            x32 = x.float()
-            rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
-            normed = x32 * rstd
-            return (normed * (1.0 + weight.float())).to(x.dtype), rstd, normed.to(x.dtype)
-
-        query, q_rstd, q_normed = gemma_norm(heads(q_weight, q_heads), q_norm_weight)
-        key, k_rstd, k_normed = gemma_norm(heads(k_weight, kv_heads), k_norm_weight)
-        value = heads(v_weight, kv_heads)
-        ctx.save_for_backward(hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_rstd,
-                              k_rstd, q_normed, k_normed)
+        query, key, value, saved = qkv_norm_forward(hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
+                                                    k_norm_weight, q_heads, kv_heads, eps)
+        ctx.save_for_backward(*saved)
         ctx.eps = eps
         return query, key, value
 
     @staticmethod
     def backward(ctx, grad_query, grad_key, grad_value):
-        saved = ctx.saved_tensors
-        (hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_rstd, k_rstd, q_normed,
-         k_normed) = saved
-        # The op reads one kv head's value gradient as [tokens, d] rows.
-        grad_value = grad_value.contiguous()
-        args = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
-                k_norm_weight, None, None, q_rstd, k_rstd, q_normed, k_normed, ctx.eps)
-        grads = _qkv_backward(hidden_states)(*args)
-        # the norm weights' gradients come in fp32 (the op's contract)
-        return (*grads[:4], hand_over(q_norm_weight, grads[4]), hand_over(k_norm_weight, grads[5]), None, None, None)
+        nodes = accumulation_nodes(ctx, 4, 2)
+        return (*qkv_norm_backward(grad_query, grad_key, grad_value, ctx.saved_tensors, ctx.eps, nodes), None, None,
+                None)
+
+
+def qkv_norm_forward(hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_heads: int,
+                     kv_heads: int, eps: float):
+    """(query, key, value [b, heads, s, d], what qkv_norm_backward reads): Gemma3's projections and
+    Q/K norms as transformers computes them."""
+    batch, seq, _ = hidden_states.shape
+    head_dim = q_norm_weight.shape[0]
+
+    def heads(weight, count):  # x . W^T as [b, heads, s, d], a view of [b, s, heads, d]
+        return (hidden_states @ weight.t()).view(batch, seq, count, head_dim).transpose(1, 2)
+
+    def gemma_norm(x, weight):  # Gemma3's RMSNorm: fp32 math, scale (1 + w), rounded to x's dtype
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+        normed = x32 * rstd
+        return (normed * (1.0 + weight.float())).to(x.dtype), rstd, normed.to(x.dtype)
+
+    query, q_rstd, q_normed = gemma_norm(heads(q_weight, q_heads), q_norm_weight)
+    key, k_rstd, k_normed = gemma_norm(heads(k_weight, kv_heads), k_norm_weight)
+    value = heads(v_weight, kv_heads)
+    return query, key, value, (hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_rstd,
+                               k_rstd, q_normed, k_normed)
+
+
+def qkv_norm_backward(grad_query, grad_key, grad_value, saved, eps: float, nodes=(None, None)):
+    """-> (grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight, grad_q_norm_weight,
+    grad_k_norm_weight) for qkv_norm_forward's `saved`; the norm weights' gradients None where
+    added into their .grad in place (hand_over; `nodes`: their accumulation nodes)."""
+    (hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_rstd, k_rstd, q_normed,
+     k_normed) = saved
+    # The op reads one kv head's value gradient as [tokens, d] rows.
+    grad_value = grad_value.contiguous()
+    args = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
+            k_norm_weight, None, None, q_rstd, k_rstd, q_normed, k_normed, eps)
+    grads = _qkv_backward(hidden_states)(*args)
+    # the norm weights' gradients come in fp32 (the op's contract)
+    return (*grads[:4], hand_over(q_norm_weight, grads[4], nodes[0]), hand_over(k_norm_weight, grads[5], nodes[1]))
 
 
 class GemmaQKVNorm(torch.nn.Module):
@@ -114,25 +131,32 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, rstd, weight, scale = ctx.saved_tensors
-        grad = grad.contiguous()
-        rows = (grad, x, rstd)
-        if x.dim() != 3:  # the kernel reads [b, s, H]
-            hidden = x.shape[-1]
-            rows = (grad.reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
-        if x.is_cuda and kernel_reads(x, grad):
-            into = gradient_to_add_into(weight)
-            if into is not None:  # the kernel's column sum adds into the accumulating gradient
-                from .rmsnorm_backward import rmsnorm_backward
+        return (*norm_backward(grad, x, rstd, weight, scale, *accumulation_nodes(ctx, 1, 1)), None, None)
 
-                grad_x = torch.empty_like(rows[1])
-                rmsnorm_backward(*rows, kernel_weight(weight, scale), grad_x, into, adds=True)
-                return grad_x.view(x.shape), None, None, None
-            # the weight's gradient in its dtype where the kernel writes that: no cast, a launch
-            grad_dtype = weight.dtype if weight.dtype in KERNEL_WEIGHT_DTYPES else torch.float32
-            grad_x, grad_weight = op("rmsnorm_backward")(*rows, kernel_weight(weight, scale), grad_dtype)
-        else:
-            grad_x, grad_weight = _rmsnorm_backward_reference(*rows, weight_scale(weight, scale))
-        return grad_x.view(x.shape), grad_weight.to(weight.dtype), None, None
+
+def norm_backward(grad, x, rstd, weight, scale, node=None):
+    """(grad_x, grad_weight) of rms_norm's forward (rms_norm_forward's rstd and scale), grad_weight
+    None where added into weight.grad in place (gradient_to_add_into; `node`: the weight's
+    accumulation node)."""
+    grad = grad.contiguous()
+    rows = (grad, x, rstd)
+    if x.dim() != 3:  # the kernel reads [b, s, H]
+        hidden = x.shape[-1]
+        rows = (grad.reshape(1, -1, hidden), x.reshape(1, -1, hidden), rstd.reshape(1, -1, 1))
+    if x.is_cuda and kernel_reads(x, grad):
+        into = gradient_to_add_into(weight, node)
+        if into is not None:  # the kernel's column sum adds into the accumulating gradient
+            from .rmsnorm_backward import rmsnorm_backward
+
+            grad_x = torch.empty_like(rows[1])
+            rmsnorm_backward(*rows, kernel_weight(weight, scale), grad_x, into, adds=True)
+            return grad_x.view(x.shape), None
+        # the weight's gradient in its dtype where the kernel writes that: no cast, a launch
+        grad_dtype = weight.dtype if weight.dtype in KERNEL_WEIGHT_DTYPES else torch.float32
+        grad_x, grad_weight = op("rmsnorm_backward")(*rows, kernel_weight(weight, scale), grad_dtype)
+    else:
+        grad_x, grad_weight = _rmsnorm_backward_reference(*rows, weight_scale(weight, scale))
+    return grad_x.view(x.shape), grad_weight.to(weight.dtype)
 
 
 def rms_norm_forward(x, weight, eps: float, one_plus: bool):
@@ -164,39 +188,52 @@ def kernel_weight(weight, one_plus_scale):
     return weight if weight.dtype in KERNEL_WEIGHT_DTYPES else weight.float()
 
 
-def gradient_to_add_into(weight):
+def gradient_to_add_into(weight, node=None):
     """weight.grad where a backward may add its gradient into it in place and hand autograd None
     (gradient accumulation: one add launch a parameter less): eager (torch.compile traces a
     functional graph), no graph of the backward being built (create_graph), a bf16 contiguous
     gradient of the weight's shape, and a backward pass that accumulates into it (loss.backward()
     does; autograd.grad never does, backward(inputs=...) only for the tensors named). Autograd
     still runs the parameter's accumulation node, with nothing to add, so hooks on it
-    (post-accumulate hooks, DDP's reducer) see the sum. Else None."""
+    (post-accumulate hooks, DDP's reducer) see the sum. `node`: that accumulation node where the
+    caller has it (accumulation_nodes), else it is looked up (~10 us). Else None."""
     if not weight.is_leaf:
         return None
     grad = weight.grad
     if (grad is None or torch.compiler.is_compiling() or torch.is_grad_enabled() or grad.dtype != torch.bfloat16
-            or grad.shape != weight.shape or not grad.is_contiguous() or not _accumulates_into(weight)):
+            or grad.shape != weight.shape or not grad.is_contiguous() or not _accumulates_into(weight, node)):
         return None
     return grad
 
 
-def _accumulates_into(leaf) -> bool:
-    """Whether the running backward pass executes the leaf's accumulation node (the engine's own
-    test, as torch.autograd.graph's multi-grad hooks use it; ~4 us)."""
+def accumulation_nodes(ctx, first: int, count: int) -> list:
+    """The nodes behind a backward's tensor inputs first .. first + count - 1, counting only the
+    forward's tensor arguments (ctx.next_functions has an edge for each): a leaf's accumulation
+    node, which gradient_to_add_into would otherwise look up through a view. None each while
+    torch.compile traces (it adds nothing in place)."""
+    if torch.compiler.is_compiling():
+        return [None] * count
+    return [edge[0] for edge in ctx.next_functions[first:first + count]]
+
+
+def _accumulates_into(leaf, node=None) -> bool:
+    """Whether the running backward pass executes the leaf's accumulation node `node` (found
+    through a view where not given, as torch.autograd.graph's multi-grad hooks find it; the
+    engine's own test)."""
     try:
-        with torch.enable_grad():
-            node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
+        if node is None:
+            with torch.enable_grad():
+                node = leaf.view_as(leaf).grad_fn.next_functions[0][0]
         return bool(torch._C._will_engine_execute_node(node))
     except (AttributeError, RuntimeError):  # autograd.grad raises here (it never accumulates)
         return False
 
 
-def hand_over(weight, grad):
+def hand_over(weight, grad, node=None):
     """What a backward returns for `weight` given its gradient `grad` in another dtype (fp32): None
     once added into weight.grad in place where gradient_to_add_into allows (one launch, where a
-    cast and autograd's add are two), else grad cast to the weight's dtype."""
-    into = gradient_to_add_into(weight)
+    cast and autograd's add are two), else grad cast to the weight's dtype. `node`: as there."""
+    into = gradient_to_add_into(weight, node)
     if into is None:
         return grad.to(weight.dtype)
     into.add_(grad)

@@ -33,13 +33,18 @@ class _RotaryFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        cos, sin = ctx.saved_tensors
-        if grad_q is not None and grad_k is not None and grad_q.is_cuda:
-            from .rope_backward import kernel_takes
+        return (*rotary_backward(grad_q, grad_k, *ctx.saved_tensors), None, None)
 
-            if kernel_takes(grad_q, grad_k, cos, sin):  # strides and alignment: the operator's call
-                return (*op("rope_backward")(grad_q, grad_k, cos, sin), None, None)
-        return (*rope_backward_reference(grad_q, grad_k, cos, sin), None, None)
+
+def rotary_backward(grad_q, grad_k, cos, sin):
+    """(grad_q, grad_k) through apply_rotary_pos_emb's forward: the kernel where it reads the
+    tensors, else rope_backward_reference."""
+    if grad_q is not None and grad_k is not None and grad_q.is_cuda:
+        from .rope_backward import kernel_takes
+
+        if kernel_takes(grad_q, grad_k, cos, sin):  # strides and alignment: the operator's call
+            return op("rope_backward")(grad_q, grad_k, cos, sin)
+    return rope_backward_reference(grad_q, grad_k, cos, sin)
 
 
 def rope_backward_reference(grad_q, grad_k, cos, sin):
