@@ -8,7 +8,11 @@ What is swapped, by model family:
   the kernel reads the attention: one kv head (Gemma-3-270m, 1B), no bias; elsewhere (Gemma-3-4B
   and up) the attention stays as it is, its Q/K norms with the others, and `Patch.left` says
   why. Its other RMSNorm layers (four a decoder layer, the final norm) run as modules.rms_norm
-  with scale 1 + w.
+  with scale 1 + w. Where the attention fuses, the decoder layer past its input norm runs as
+  one gemma_layer.gemma_layer (the same forward; one autograd node for the layer's backward,
+  whose attention part is the model's own attention's backward) while it trains eagerly; under
+  torch.compile, without gradients or with attention dropout it runs its own forward through
+  the layers routed as above.
 - Qwen3 and Mistral: every RMSNorm layer (two a decoder layer, Qwen3's Q/K norms, the final
   norm) runs as modules.rms_norm, whose backward is the RMSNorm row kernel. Their attention has
   several kv heads, which the QKV kernel does not read, so it stays as it is.
@@ -63,6 +67,8 @@ MLP_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "s
 ATTENTIONS = ("Gemma3Attention", "Qwen3Attention", "MistralAttention", "LlamaAttention")
 # Decoder layers the whole-layer backward reads (pre-norm GQA attention with RoPE, SwiGLU FFN)
 WHOLE_LAYERS = ("MistralDecoderLayer", "LlamaDecoderLayer")
+# Gemma3's decoder layer, run past its input norm as one gemma_layer where its attention fuses
+GEMMA_LAYERS = ("Gemma3DecoderLayer",)
 
 
 class Patch:
@@ -121,6 +127,15 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     mlps = [(name, m) for name, m in model.named_modules() if type(m).__name__ in MLPS and id(m) not in whole]
     for name, mlp in mlps:
         _check_gated_mlp(name, mlp)
+    fused_attentions = {id(attention) for _, attention, _ in fused_layers}
+    gemma_layers = []
+    for name, layer in model.named_modules():
+        if type(layer).__name__ in GEMMA_LAYERS and id(getattr(layer, "self_attn", None)) in fused_attentions:
+            why = _gemma_layer_left(layer)
+            if why:
+                result.left.append(f"{name}: not run whole: {why}")
+            else:
+                gemma_layers.append((name, layer))
     for name, attention, fused in fused_layers:
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
@@ -143,6 +158,9 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
         result.replaced.append(f"{name}: apply_rotary_pos_emb")
     for name, layer in layers if decoder_layers else ():
         _route_whole_layer(layer, result)
+        result.replaced.append(name)
+    for name, layer in gemma_layers:
+        _route_gemma_layer(layer, result)
         result.replaced.append(name)
     return result
 
@@ -243,6 +261,83 @@ def _route_whole_layer(layer, result: Patch):
         if cache is not None:
             cache.update(key, value, attention.layer_idx)
         return output
+
+    layer.forward = types.MethodType(forward, layer)
+    result._restore.append(layer)
+
+
+def _gemma_layer_left(layer) -> str | None:
+    """Why a Gemma3 decoder layer (its attention fused) does not run as one gemma_layer, or None."""
+    import transformers
+
+    attention = layer.self_attn
+    norms = (layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+    scope = inspect.unwrap(type(attention).forward).__globals__
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return "needs transformers 5 or newer (its decoder layers return a tensor)"
+    if "ALL_ATTENTION_FUNCTIONS" not in scope or "eager_attention_forward" not in scope:
+        return "this transformers' attention functions are not where gemma_layer looks for them"
+    if getattr(attention.config, "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping"
+    if any(type(norm).__name__ not in NORMS for norm in norms) or len({norm.eps for norm in norms}) != 1:
+        return "its three inner norms do not share one eps"
+    if MLP_ACTIVATIONS.get(getattr(layer.mlp.config, MLPS.get(type(layer.mlp).__name__, ""), None)) != "gelu_tanh":
+        return "its MLP is not gelu_tanh"
+    return None
+
+
+def _attention_function(attention):
+    """The attention function transformers' Gemma3 attention calls, for its model's current
+    attention implementation."""
+    scope = inspect.unwrap(type(attention).forward).__globals__
+    functions, eager = scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"]
+    implementation = attention.config._attn_implementation
+    if hasattr(functions, "get_interface"):
+        return functions.get_interface(implementation, eager)
+    return eager if implementation == "eager" else functions[implementation]
+
+
+def _route_gemma_layer(layer, result: Patch):
+    """The layer's forward, bound on the instance: its input norm, then gemma_layer.gemma_layer,
+    whose `attend` is the attention's own steps after RoPE (KV cache, attention function, output
+    rows), as transformers' Gemma3Attention.forward runs them. Its own forward under
+    torch.compile (dynamo traces the routed layers), without gradients and with attention dropout."""
+    from .gemma_layer import GemmaLayerWeights, gemma_layer
+
+    original = type(layer).forward
+    signature = inspect.signature(original)
+    attention, mlp = layer.self_attn, layer.mlp
+    config = attention.config
+    q_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    eps, qk_eps = layer.post_attention_layernorm.eps, attention.q_norm.eps
+
+    def forward(self, *args, **kwargs):
+        if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
+                or (self.training and attention.attention_dropout)):
+            return original(self, *args, **kwargs)
+        call = signature.bind(self, *args, **kwargs).arguments
+        extra = dict(call.get("kwargs", {}))
+        cache = call.get("cache", call.get("past_key_values", extra.pop("past_key_values", None)))
+        hidden_states, attention_mask = call["hidden_states"], call.get("attention_mask")
+        cos, sin = call["position_embeddings"]
+        rows = hidden_states.shape[:-1]
+
+        def attend(query, key, value):
+            if cache is not None:
+                key, value = cache.update(key, value, attention.layer_idx)
+            output, _ = _attention_function(attention)(
+                attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
+                sliding_window=getattr(attention, "sliding_window", None), position_ids=call.get("position_ids"),
+                **extra)
+            return output.reshape(*rows, -1).contiguous()
+
+        weights = GemmaLayerWeights(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight,
+                                    attention.q_norm.weight, attention.k_norm.weight, attention.o_proj.weight,
+                                    self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+                                    mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+                                    self.post_feedforward_layernorm.weight)
+        return gemma_layer(hidden_states, self.input_layernorm(hidden_states), cos, sin, attend, eps, qk_eps,
+                           q_heads, kv_heads, weights)
 
     layer.forward = types.MethodType(forward, layer)
     result._restore.append(layer)

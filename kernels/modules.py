@@ -207,13 +207,16 @@ def gradient_to_add_into(weight, node=None):
 
 
 def accumulation_nodes(ctx, first: int, count: int) -> list:
-    """The nodes behind a backward's tensor inputs first .. first + count - 1, counting only the
-    forward's tensor arguments (ctx.next_functions has an edge for each): a leaf's accumulation
-    node, which gradient_to_add_into would otherwise look up through a view. None each while
-    torch.compile traces (it adds nothing in place)."""
+    """The nodes behind a backward's tensor inputs first .. first + count - 1 (a negative `first`
+    counts from the last), counting only the forward's tensor arguments (ctx.next_functions has
+    an edge for each): a leaf's accumulation node, which gradient_to_add_into would otherwise look
+    up through a view. None each while torch.compile traces (it adds nothing in place, and
+    dynamo refuses next_functions)."""
     if torch.compiler.is_compiling():
         return [None] * count
-    return [edge[0] for edge in ctx.next_functions[first:first + count]]
+    edges = ctx.next_functions
+    first = first + len(edges) if first < 0 else first
+    return [edge[0] for edge in edges[first:first + count]]
 
 
 def _accumulates_into(leaf, node=None) -> bool:

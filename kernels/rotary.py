@@ -20,7 +20,7 @@ from ..references.decoder_layer import rotate_half
 from .torch_ops import op
 
 
-def _rotate(q, k, cos, sin):
+def rotate(q, k, cos, sin):
     """transformers' operations, op for op."""
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
@@ -29,7 +29,7 @@ class _RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+        return rotate(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
@@ -65,5 +65,5 @@ def rope_backward_reference(grad_q, grad_k, cos, sin):
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb (module docstring)."""
     if unsqueeze_dim != 1 or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
-        return _rotate(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+        return rotate(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
     return _RotaryFunction.apply(q, k, cos, sin)

@@ -77,14 +77,21 @@ def _check_step(make_model, norms_a_layer, family_dims, device, batch, seq, **di
     assert len(mlps) == layers
     rotaries = [name for name in handle.replaced if name.endswith("self_attn: apply_rotary_pos_emb")]
     assert len(rotaries) == layers
+    # Gemma3's layers whose attention fuses run past their input norm as one gemma_layer
+    whole = [name for name in handle.replaced if name.startswith("model.layers.") and name.count(".") == 2]
+    assert len(whole) == len(fused)
     # and the final norm, and the embedding with the first layer's input norm
-    assert len(handle.replaced) - len(fused) - len(mlps) - len(rotaries) == norms_a_layer * layers + 2
+    assert len(handle.replaced) - len(fused) - len(mlps) - len(rotaries) - len(whole) == norms_a_layer * layers + 2
     assert "model.embed_tokens" in handle.replaced
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     exact_loss, exact = _step(exact_model, ids)
     loss, want = _step(model, ids)
     patched_loss, got = _step(patched, ids)
     torch.testing.assert_close(patched_loss.float(), loss.float(), rtol=1e-2, atol=1e-2)
+    if whole:  # the layer's forward is the model's op for op
+        assert torch.equal(patched_loss, loss)
+        logits = patched(input_ids=ids, use_cache=False).logits
+        assert _graph_nodes(logits.grad_fn).count("_GemmaLayerFunctionBackward") == layers
     assert set(got) == set(want) == set(exact)
     names = sorted(want)
     assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, [exact[n] for n in names],
