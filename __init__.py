@@ -21,6 +21,10 @@ import, and `cutebwd.references` needs none of it):
                                                   a Llama / Mistral decoder layer as one autograd
                                                   function (transformers' eager forward), the decoder
                                                   layer backward as its backward; weights a LayerWeights
+    cutebwd.gemma_layer(residual, normed, cos, sin, attend, eps, qk_eps, q_heads, kv_heads, weights)
+                                                  a Gemma3 decoder layer past its input norm as one
+                                                  autograd function around the model's own attention;
+                                                  weights a GemmaLayerWeights
     cutebwd.embedding_norm(input_ids, weight, norm_weight, eps, one_plus=False, embed_scale=None, padding_idx=None)
                                                   a model's token embedding and first RMSNorm as one
                                                   autograd function, 087's row kernel (model form) as
@@ -56,6 +60,8 @@ _OPS = {
     "GemmaQKVNorm": "cutebwd.kernels.modules",
     "decoder_layer": "cutebwd.kernels.decoder_module",
     "LayerWeights": "cutebwd.kernels.decoder_module",
+    "gemma_layer": "cutebwd.kernels.gemma_layer",
+    "GemmaLayerWeights": "cutebwd.kernels.gemma_layer",
     "embedding_norm": "cutebwd.kernels.embedding_norm",
     "patch": "cutebwd.kernels.hf_patch",
     "check_errors": "cutebwd.kernels.errors",
