@@ -18,11 +18,11 @@ transformers = pytest.importorskip("transformers")
 ATOL = 0.016  # the QKV backward's workloads' smallest atol at a few hundred tokens
 
 
-def _gemma3(hidden=64, heads=4, kv_heads=1, head_dim=32, layers=2, **extra):
+def _gemma3(hidden=64, heads=4, kv_heads=1, head_dim=32, layers=2, attn_implementation="eager", **extra):
     config = transformers.Gemma3TextConfig(
         vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, query_pre_attn_scalar=head_dim,
-        sliding_window=8, max_position_embeddings=64, attn_implementation="eager", **extra)
+        sliding_window=8, max_position_embeddings=64, attn_implementation=attn_implementation, **extra)
     return _random_norms(transformers.Gemma3ForCausalLM, config, start=0.0)  # Gemma3 scales by 1 + w
 
 
@@ -105,6 +105,7 @@ def _check_step(make_model, norms_a_layer, family_dims, device, batch, seq, **di
 # (model, RMSNorm layers a decoder layer that patch routes through modules.rms_norm, dims): Q/K
 # norms among them where the attention is not fused (Qwen3's; Gemma3's with several kv heads)
 FAMILIES = {"gemma3": (_gemma3, 4, {}), "gemma3 2 kv heads": (_gemma3, 6, {"kv_heads": 2}),
+            "gemma3 sdpa": (_gemma3, 4, {"attn_implementation": "sdpa"}),
             "qwen3": (_qwen3, 4, {}), "mistral": (_mistral, 2, {}), "llama": (_mistral, 2, {"family": "Llama"})}
 
 
@@ -116,7 +117,7 @@ def test_training_step_on_cpu(family):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,dims", [
     ("gemma3", {}), ("gemma3", {"hidden": 640, "heads": 4, "head_dim": 256}),  # small; Gemma-3-270m's widths
-    ("gemma3 2 kv heads", {}),
+    ("gemma3 2 kv heads", {}), ("gemma3 sdpa", {"hidden": 640, "heads": 4, "head_dim": 256}),
     ("qwen3", {}), ("qwen3", {"hidden": 2560, "heads": 32, "kv_heads": 8, "head_dim": 128, "layers": 1}),  # 4B's
     ("mistral", {}), ("mistral", {"hidden": 1024, "heads": 8, "kv_heads": 2, "layers": 1}),
 ])
@@ -155,16 +156,50 @@ def _check_whole_layers(device, batch, seq, **dims):
         torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-def test_whole_decoder_layers_accumulate_gradients_in_place_on_the_gpu():
-    """Two micro-batches without zeroing: the second backward adds every projection weight's
-    gradient into the `.grad` the first left (the same tensors, added in place) and the sums meet
-    the contract's rule against the unpatched model's accumulation."""
-    dims = {**WHOLE_LAYER_DIMS, "hidden": 1024, "heads": 8, "kv_heads": 2, "layers": 1}
-    exact_model = _mistral(**dims).to("cuda", torch.float64)
-    model = _mistral(**dims).to("cuda", torch.bfloat16)
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_gemma_layers_run_whole_with_the_models_attention(attention):
+    """Gemma3's layers past their input norm are one autograd node each whatever the attention
+    implementation; the default call (a KV cache filled) gives the model's logits and cache
+    bitwise, and calls without gradients run the layer's own forward."""
+    model = _gemma3(attn_implementation=attention).to(torch.bfloat16)
     patched = copy.deepcopy(model)
-    cutebwd.patch(patched, decoder_layers=True)
+    cutebwd.patch(patched)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    patched_out, out = patched(input_ids=ids), model(input_ids=ids)
+    assert _graph_nodes(patched_out.logits.grad_fn).count("_GemmaLayerFunctionBackward") == 2
+    assert torch.equal(patched_out.logits, out.logits)
+    caches = [getattr(o, "past_key_values", None) or o.cache for o in (patched_out, out)]
+    for patched_layer, layer in zip(*(c.layers for c in caches), strict=True):
+        assert torch.equal(patched_layer.keys, layer.keys) and torch.equal(patched_layer.values, layer.values)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids).logits, out.logits, rtol=0, atol=0)
+
+
+# (make_model, patch's keywords, dims, parameters added into in place): Mistral's layers whole
+# (seven projections); Gemma3's layers past their input norm (o_proj, the MLP's three, three norms)
+ACCUMULATING = {
+    "mistral whole layers": (_mistral, {"decoder_layers": True},
+                             {"hidden": 1024, "heads": 8, "kv_heads": 2, "layers": 1}, ("proj.weight",)),
+    "gemma3 layers": (_gemma3, {}, {"hidden": 640, "heads": 4, "head_dim": 256, "layers": 1,
+                                    "attn_implementation": "sdpa"},
+                      ("o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                       "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+                       "post_feedforward_layernorm.weight")),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ACCUMULATING))
+def test_whole_layers_accumulate_gradients_in_place_on_the_gpu(name):
+    """Two micro-batches without zeroing: the second backward adds the whole layers' weight
+    gradients into the `.grad` the first left (the same tensors, added in place) and the sums
+    meet the contract's rule against the unpatched model's accumulation."""
+    make_model, keywords, dims, added = ACCUMULATING[name]
+    dims = {**(WHOLE_LAYER_DIMS if keywords else {}), **dims}
+    exact_model = make_model(**dims).to("cuda", torch.float64)
+    model = make_model(**dims).to("cuda", torch.bfloat16)
+    patched = copy.deepcopy(model)
+    cutebwd.patch(patched, **keywords)
     generator = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, model.config.vocab_size, (2, 64), generator=generator).to("cuda") for _ in range(2)]
     grads = []
@@ -175,13 +210,13 @@ def test_whole_decoder_layers_accumulate_gradients_in_place_on_the_gpu():
         m(input_ids=batches[1], labels=batches[1], use_cache=False).loss.backward()
         grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
     exact, want, got = grads
-    projections = [n for n in got if n.endswith("proj.weight")]
-    assert len(projections) == 7
-    assert all(got[n] is first[n] for n in projections)  # added into, not replaced
+    in_place = [n for n in got if n.endswith(added) and ".layers." in n]
+    assert len(in_place) == (7 if name.startswith("mistral") else len(added))
+    assert all(got[n] is first[n] for n in in_place)  # added into, not replaced
     names = sorted(want)
     assert sorted(got) == names
     assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, [exact[n] for n in names],
-                  "whole decoder layers, two micro-batches accumulated")
+                  f"{name}, two micro-batches accumulated")
 
 
 def _graph_nodes(node) -> list[str]:
