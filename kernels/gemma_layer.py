@@ -120,6 +120,48 @@ def gemma_layer(residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor,
     """The layer's output for its input `residual` [b, s, H] and `normed` = input_layernorm(residual)
     (module docstring): bf16 tensors and parameters, one kv head (the QKV backward's), cos and
     sin [b or 1, s, head_dim] the model's rotary tables for this layer, `eps` the layer norms' and
-    `qk_eps` the Q/K norms'."""
+    `qk_eps` the Q/K norms'. Other dtypes, shapes and widths raise TypeError / ValueError naming
+    the argument."""
+    weights = GemmaLayerWeights(*weights)
+    _check_arguments(residual, normed, cos, sin, attend, q_heads, kv_heads, weights)
     return _GemmaLayerFunction.apply(residual, normed, cos, sin, attend, eps, qk_eps, q_heads, kv_heads,
-                                     *GemmaLayerWeights(*weights))
+                                     *weights)
+
+
+def _check_arguments(residual, normed, cos, sin, attend, q_heads: int, kv_heads: int, weights: GemmaLayerWeights):
+    """TypeError / ValueError naming the argument, before the forward runs."""
+    from .qkv_qknorm_backward import MAX_HEAD_DIM, VECTOR
+
+    tensors = {"residual": residual, "normed": normed, "cos": cos, "sin": sin,
+               **{f"weights.{name}": t for name, t in weights._asdict().items()}}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"gemma_layer: {name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"gemma_layer: {name}: expected bfloat16, got {str(t.dtype).removeprefix('torch.')}")
+        if t.device != residual.device:
+            raise ValueError(f"gemma_layer: {name} is on {t.device}, residual on {residual.device}")
+    if not callable(attend):
+        raise TypeError(f"gemma_layer: attend: expected a callable, got {type(attend).__name__}")
+    if residual.dim() != 3 or normed.shape != residual.shape:
+        raise ValueError(f"gemma_layer: residual and normed: expected one [b, s, H] shape, got "
+                         f"{tuple(residual.shape)} and {tuple(normed.shape)}")
+    batch, seq, hidden = residual.shape
+    head_dim = weights.q_norm.shape[0] if weights.q_norm.dim() == 1 else -1
+    if kv_heads != 1 or q_heads < 1:
+        raise ValueError(f"gemma_layer: the QKV backward reads one kv head, got {q_heads} query and {kv_heads} kv "
+                         f"heads")
+    if head_dim % VECTOR or not 0 < head_dim <= MAX_HEAD_DIM or hidden % 8:
+        raise ValueError(f"gemma_layer: head_dim must be a multiple of {VECTOR} up to {MAX_HEAD_DIM} and the hidden "
+                         f"size a multiple of 8, got {head_dim} and {hidden}")
+    if cos.dim() != 3 or cos.shape != sin.shape or cos.shape[0] not in (1, batch) or cos.shape[1:] != (seq, head_dim):
+        raise ValueError(f"gemma_layer: cos and sin: expected [1 or {batch}, {seq}, {head_dim}], got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    intermediate = weights.gate.shape[0] if weights.gate.dim() == 2 else -1
+    q_width = q_heads * head_dim
+    want = GemmaLayerWeights((q_width, hidden), (head_dim, hidden), (head_dim, hidden), (head_dim,), (head_dim,),
+                             (hidden, q_width), (hidden,), (hidden,), (intermediate, hidden), (intermediate, hidden),
+                             (hidden, intermediate), (hidden,))
+    for name, t, shape in zip(GemmaLayerWeights._fields, weights, want):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"gemma_layer: weights.{name}: expected {list(shape)}, got {list(t.shape)}")

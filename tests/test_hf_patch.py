@@ -280,6 +280,44 @@ def test_decoder_layer_called_directly():
             cutebwd.decoder_layer(x, w, None, c, s, 1e-6, *heads)
 
 
+def test_gemma_layer_called_directly():
+    """cutebwd.gemma_layer on a Gemma3 layer's own parameters, with that model's eager attention
+    as `attend`, gives the layer's output bitwise; bad arguments raise errors that name them."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    model = _gemma3(layers=1).to(torch.bfloat16)
+    layer, config = model.model.layers[0], model.config
+    attention, mlp = layer.self_attn, layer.mlp
+    weights = cutebwd.GemmaLayerWeights(
+        attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight, attention.q_norm.weight,
+        attention.k_norm.weight, attention.o_proj.weight, layer.post_attention_layernorm.weight,
+        layer.pre_feedforward_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+        layer.post_feedforward_layernorm.weight)
+    hidden_states = torch.randn(2, 9, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    position_embeddings = model.model.rotary_emb(hidden_states, torch.arange(9)[None], config.layer_types[0])
+    mask = _gemma3_masks(9, config.sliding_window, "cpu", torch.bfloat16)[config.layer_types[0]]
+
+    def attend(query, key, value):
+        out, _ = modeling_gemma3.eager_attention_forward(attention, query, key, value, mask, scaling=attention.scaling,
+                                                         sliding_window=attention.sliding_window)
+        return out.reshape(2, 9, -1).contiguous()
+
+    eps, heads = layer.post_attention_layernorm.eps, (config.num_attention_heads, config.num_key_value_heads)
+    normed = layer.input_layernorm(hidden_states)
+    out = cutebwd.gemma_layer(hidden_states, normed, *position_embeddings, attend, eps, eps, *heads, weights)
+    assert torch.equal(out, layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings))
+    out.sum().backward()
+    assert hidden_states.grad is not None and weights.q.grad is not None and weights.post_ff_ln.grad is not None
+    cos, sin = position_embeddings
+    bad = [((hidden_states.float(), weights, cos, sin, heads), TypeError, "residual: expected bfloat16"),
+           ((hidden_states, weights._replace(k=weights.q), cos, sin, heads), ValueError, "weights.k: expected"),
+           ((hidden_states, weights, cos[:, :4], sin[:, :4], heads), ValueError, "cos and sin"),
+           ((hidden_states, weights, cos, sin, (4, 2)), ValueError, "one kv head")]
+    for (x, w, c, s, h), error, message in bad:
+        with pytest.raises(error, match=message):
+            cutebwd.gemma_layer(x, normed.detach(), c, s, attend, eps, eps, *h, w)
+
+
 def test_whole_layers_refuse_what_the_backward_does_not_read():
     cases = [(dict(attn_implementation="sdpa"), "eager attention"), (dict(attention_dropout=0.1), "dropout"),
              (dict(hidden_act="gelu"), "activation"), (dict(hidden=64), "multiple of 32")]
