@@ -9,7 +9,7 @@ What is swapped, by model family:
   and up) the attention stays as it is, its Q/K norms with the others, and `Patch.left` says
   why. Its other RMSNorm layers (four a decoder layer, the final norm) run as modules.rms_norm
   with scale 1 + w. Where the attention fuses, the decoder layer past its input norm runs as
-  one gemma_layer.gemma_layer (the same forward; one autograd node for the layer's backward,
+  one gemma_layer (the same forward; one autograd node for the layer's backward,
   whose attention part is the model's own attention's backward) while it trains eagerly; under
   torch.compile, without gradients or with attention dropout it runs its own forward through
   the layers routed as above.
@@ -298,11 +298,11 @@ def _attention_function(attention):
 
 
 def _route_gemma_layer(layer, result: Patch):
-    """The layer's forward, bound on the instance: its input norm, then gemma_layer.gemma_layer,
+    """The layer's forward, bound on the instance: its input norm, then gemma_layer.run,
     whose `attend` is the attention's own steps after RoPE (KV cache, attention function, output
     rows), as transformers' Gemma3Attention.forward runs them. Its own forward under
     torch.compile (dynamo traces the routed layers), without gradients and with attention dropout."""
-    from .gemma_layer import GemmaLayerWeights, gemma_layer
+    from .gemma_layer import GemmaLayerWeights, run
 
     original = type(layer).forward
     signature = inspect.signature(original)
@@ -336,8 +336,8 @@ def _route_gemma_layer(layer, result: Patch):
                                     self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
                                     mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
                                     self.post_feedforward_layernorm.weight)
-        return gemma_layer(hidden_states, self.input_layernorm(hidden_states), cos, sin, attend, eps, qk_eps,
-                           q_heads, kv_heads, weights)
+        return run(hidden_states, self.input_layernorm(hidden_states), cos, sin, attend, eps, qk_eps, q_heads,
+                   kv_heads, weights)
 
     layer.forward = types.MethodType(forward, layer)
     result._restore.append(layer)
