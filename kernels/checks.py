@@ -60,3 +60,16 @@ def check_row_strides(name: str, t, vector: int) -> None:
 def check_hidden_size(name: str, hidden: int, limit: int) -> None:
     if hidden % 8 or not 0 < hidden <= limit:
         raise ValueError(f"{name}: hidden size must be a positive multiple of 8 up to {limit}, got {hidden}")
+
+
+def check_module_tensors(op: str, tensors: dict, anchor: str) -> None:
+    """The tensors of an autograd function's call (name -> tensor): bf16 torch tensors, all on
+    the device of the one named `anchor` (any device: on CPU the function runs its reference)."""
+    device = tensors[anchor].device if isinstance(tensors[anchor], torch.Tensor) else None
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{op}: {name}: expected bfloat16, got {str(t.dtype).removeprefix('torch.')}")
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device}, {anchor} on {device}")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..references import decoder_layer as contract
+from .checks import check_module_tensors
 from .modules import accumulation_nodes, gradient_to_add_into, hand_over
 from .torch_ops import op
 
@@ -151,13 +152,7 @@ def _check_arguments(hidden_states, weights: LayerWeights, cos, sin, q_heads: in
     takes milliseconds; these checks take microseconds)."""
     tensors = {"hidden_states": hidden_states, "cos": cos, "sin": sin,
                **{f"weights.{name}": t for name, t in weights._asdict().items()}}
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"decoder_layer: {name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"decoder_layer: {name}: expected bfloat16, got {str(t.dtype).removeprefix('torch.')}")
-        if t.device != hidden_states.device:
-            raise ValueError(f"decoder_layer: {name} is on {t.device}, hidden_states on {hidden_states.device}")
+    check_module_tensors("decoder_layer", tensors, "hidden_states")
     if hidden_states.dim() != 3:
         raise ValueError(f"decoder_layer: hidden_states: expected [b, s, H], got {tuple(hidden_states.shape)}")
     batch, seq, hidden = hidden_states.shape

@@ -136,17 +136,12 @@ def run(residual, normed, cos, sin, attend, eps: float, qk_eps: float, q_heads: 
 
 def _check_arguments(residual, normed, cos, sin, attend, q_heads: int, kv_heads: int, weights: GemmaLayerWeights):
     """TypeError / ValueError naming the argument, before the forward runs."""
+    from .checks import check_module_tensors
     from .qkv_qknorm_backward import MAX_HEAD_DIM, VECTOR
 
     tensors = {"residual": residual, "normed": normed, "cos": cos, "sin": sin,
                **{f"weights.{name}": t for name, t in weights._asdict().items()}}
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"gemma_layer: {name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"gemma_layer: {name}: expected bfloat16, got {str(t.dtype).removeprefix('torch.')}")
-        if t.device != residual.device:
-            raise ValueError(f"gemma_layer: {name} is on {t.device}, residual on {residual.device}")
+    check_module_tensors("gemma_layer", tensors, "residual")
     if not callable(attend):
         raise TypeError(f"gemma_layer: attend: expected a callable, got {type(attend).__name__}")
     if residual.dim() != 3 or normed.shape != residual.shape:
