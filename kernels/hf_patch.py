@@ -272,10 +272,9 @@ def _gemma_layer_left(layer) -> str | None:
 
     attention = layer.self_attn
     norms = (layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
-    scope = inspect.unwrap(type(attention).forward).__globals__
     if int(transformers.__version__.split(".")[0]) < 5:
         return "needs transformers 5 or newer (its decoder layers return a tensor)"
-    if "ALL_ATTENTION_FUNCTIONS" not in scope or "eager_attention_forward" not in scope:
+    if _attention_functions(attention) is None:
         return "this transformers' attention functions are not where gemma_layer looks for them"
     if getattr(attention.config, "attn_logit_softcapping", None) is not None:
         return "attention logit softcapping"
@@ -286,11 +285,18 @@ def _gemma_layer_left(layer) -> str | None:
     return None
 
 
-def _attention_function(attention):
-    """The attention function transformers' Gemma3 attention calls, for its model's current
-    attention implementation."""
+def _attention_functions(attention):
+    """(transformers' attention function registry, its eager attention) as the attention's
+    forward names them, or None where it names neither."""
     scope = inspect.unwrap(type(attention).forward).__globals__
-    functions, eager = scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"]
+    if "ALL_ATTENTION_FUNCTIONS" not in scope or "eager_attention_forward" not in scope:
+        return None
+    return scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"]
+
+
+def _attention_function(attention, functions, eager):
+    """The attention function the attention's forward calls, for its model's current attention
+    implementation (a model may switch it), from _attention_functions' pair."""
     implementation = attention.config._attn_implementation
     if hasattr(functions, "get_interface"):
         return functions.get_interface(implementation, eager)
@@ -310,6 +316,7 @@ def _route_gemma_layer(layer, result: Patch):
     config = attention.config
     q_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     eps, qk_eps = layer.post_attention_layernorm.eps, attention.q_norm.eps
+    functions, eager = _attention_functions(attention)  # once: the lookup is on every call's path
 
     def forward(self, *args, **kwargs):
         if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
@@ -325,7 +332,7 @@ def _route_gemma_layer(layer, result: Patch):
         def attend(query, key, value):
             if cache is not None:
                 key, value = cache.update(key, value, attention.layer_idx)
-            output, _ = _attention_function(attention)(
+            output, _ = _attention_function(attention, functions, eager)(
                 attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
                 sliding_window=getattr(attention, "sliding_window", None), position_ids=call.get("position_ids"),
                 **extra)
