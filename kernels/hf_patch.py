@@ -204,14 +204,13 @@ def _route_gated_mlp(mlp, result: Patch):
 
 def _check_whole_layer(name: str, layer):
     """Raises ValueError saying why the whole-layer backward does not read this layer."""
-    import transformers
-
     from .decoder_module import check_layer
 
     config, attention = layer.self_attn.config, layer.self_attn
-    if int(transformers.__version__.split(".")[0]) < 5:
-        why = "needs transformers 5 or newer (its decoder layers return a tensor)"
-    elif config._attn_implementation != "eager":
+    why = _too_old()
+    if why:
+        raise ValueError(f"cutebwd.patch: {name}: {why}")
+    if config._attn_implementation != "eager":
         why = (f"attention {config._attn_implementation!r}: the backward reads the attention probabilities, "
                f"so the model must run eager attention (attn_implementation='eager')")
     elif getattr(config, "attention_dropout", 0.0):
@@ -266,14 +265,23 @@ def _route_whole_layer(layer, result: Patch):
     result._restore.append(layer)
 
 
-def _gemma_layer_left(layer) -> str | None:
-    """Why a Gemma3 decoder layer (its attention fused) does not run as one gemma_layer, or None."""
+def _too_old() -> str | None:
+    """Why this transformers' decoder layers cannot run as one function (they return a tensor
+    from version 5 on), or None."""
     import transformers
 
-    attention = layer.self_attn
-    norms = (layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
     if int(transformers.__version__.split(".")[0]) < 5:
         return "needs transformers 5 or newer (its decoder layers return a tensor)"
+    return None
+
+
+def _gemma_layer_left(layer) -> str | None:
+    """Why a Gemma3 decoder layer (its attention fused) does not run as one gemma_layer, or None."""
+    attention = layer.self_attn
+    norms = (layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+    too_old = _too_old()
+    if too_old:
+        return too_old
     if _attention_functions(attention) is None:
         return "this transformers' attention functions are not where gemma_layer looks for them"
     if getattr(attention.config, "attn_logit_softcapping", None) is not None:
