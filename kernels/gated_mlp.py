@@ -86,6 +86,38 @@ def kernels_read(x, gate, *weights) -> bool:
             and gate.shape[-1] % 8 == 0 and x.numel() > 0)
 
 
+def linear_backward(grad_y, x, weight, node):
+    """(grad_x, grad_weight) of y = x . W^T over [..., in] rows: two GEMM-core products where they
+    read the tensors (grad_weight None once added into weight.grad in place), else PyTorch's."""
+    grad_y2, x2 = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
+    if not (x.is_cuda and kernels_read(x2, grad_y2, weight)):
+        return (grad_y2 @ weight).view(x.shape), (grad_y2.t() @ x2).to(weight.dtype)
+    from .gemm import matmul_nt, weight_gradients
+
+    grad_x = matmul_nt(grad_y2, weight.t())
+    into = gradient_to_add_into(weight, node)
+    (grad_weight,) = weight_gradients([grad_y2.t()], x2.t(), [into], [into is not None])
+    return grad_x.view(x.shape), None if into is not None else grad_weight
+
+
+def projections_backward(grads, x, weights, nodes):
+    """(grad_x, grad_weight for each) of projections y_i = x . W_i^T sharing their input x [..., in]
+    (a layer's Q, K and V): grad_x as one sum of products and the weight gradients as one group
+    where the kernels read the tensors (each added into weight.grad in place where it may be, one
+    product each then, returned as None), else PyTorch's."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = [g.reshape(x2.shape[0], -1) for g in grads]
+    if not (x.is_cuda and kernels_read(x2, *rows, *weights)):
+        grad_x = sum(g @ w for g, w in zip(rows, weights))
+        return (grad_x.view(x.shape), *((g.t() @ x2).to(w.dtype) for g, w in zip(rows, weights)))
+    from .gemm import matmul_nt_summed, weight_gradients
+
+    grad_x = matmul_nt_summed([(g, w.t()) for g, w in zip(rows, weights)])
+    into = [gradient_to_add_into(w, node) for w, node in zip(weights, nodes)]
+    results = weight_gradients([g.t() for g in rows], x2.t(), into, [t is not None for t in into])
+    return (grad_x.view(x.shape), *(None if t is not None else r for t, r in zip(into, results)))
+
+
 def gelu_tanh_and_slope(gate32):
     """(gelu_tanh(x), its derivative) in fp32, the dgeglu epilogue's formula."""
     x2 = gate32 * gate32

@@ -27,9 +27,8 @@ import typing
 import torch
 import torch.nn.functional as F
 
-from .gated_mlp import gated_mlp_forward, gated_mlp_grads, kernels_read
-from .modules import (accumulation_nodes, gradient_to_add_into, norm_backward, qkv_norm_backward, qkv_norm_forward,
-                      rms_norm_forward)
+from .gated_mlp import gated_mlp_forward, gated_mlp_grads, linear_backward
+from .modules import accumulation_nodes, norm_backward, qkv_norm_backward, qkv_norm_forward, rms_norm_forward
 from .rotary import rotary_backward, rotate
 
 
@@ -91,7 +90,7 @@ class _GemmaLayerFunction(torch.autograd.Function):
         grad_projected, grad_post_attn = norm_backward(grad_middle, projected, rstd1, w.post_attn_ln, scale1,
                                                        nodes.post_attn_ln)
         attended, leaves = ctx.attention
-        grad_attended, grad_o = _linear_backward(grad_projected, attended.detach(), w.o, nodes.o)
+        grad_attended, grad_o = linear_backward(grad_projected, attended.detach(), w.o, nodes.o)
         grad_query, grad_key, grad_value = torch.autograd.grad(attended, leaves, grad_attended)
         grad_query, grad_key = rotary_backward(grad_query, grad_key, cos, sin)
         grad_normed, grad_q, grad_k, grad_v, grad_q_norm, grad_k_norm = qkv_norm_backward(
@@ -99,20 +98,6 @@ class _GemmaLayerFunction(torch.autograd.Function):
         weight_grads = GemmaLayerWeights(grad_q, grad_k, grad_v, grad_q_norm, grad_k_norm, grad_o, grad_post_attn,
                                          grad_pre_ff, grad_gate, grad_up, grad_down, grad_post_ff)
         return (grad_middle, grad_normed, None, None, None, None, None, None, None, *weight_grads)
-
-
-def _linear_backward(grad_y, x, weight, node):
-    """(grad_x, grad_weight) of y = x . W^T over [..., in] rows: two GEMM-core products where they
-    read the tensors (grad_weight None once added into weight.grad in place), else PyTorch's."""
-    grad_y2, x2 = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
-    if not (x.is_cuda and kernels_read(x2, grad_y2, weight)):
-        return (grad_y2 @ weight).view(x.shape), (grad_y2.t() @ x2).to(weight.dtype)
-    from .gemm import matmul_nt, weight_gradients
-
-    grad_x = matmul_nt(grad_y2, weight.t())
-    into = gradient_to_add_into(weight, node)
-    (grad_weight,) = weight_gradients([grad_y2.t()], x2.t(), [into], [into is not None])
-    return grad_x.view(x.shape), None if into is not None else grad_weight
 
 
 def gemma_layer(residual: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend,

@@ -69,6 +69,8 @@ ATTENTIONS = ("Gemma3Attention", "Qwen3Attention", "MistralAttention", "LlamaAtt
 WHOLE_LAYERS = ("MistralDecoderLayer", "LlamaDecoderLayer")
 # Gemma3's decoder layer, run past its input norm as one gemma_layer where its attention fuses
 GEMMA_LAYERS = ("Gemma3DecoderLayer",)
+# Llama-style decoder layers run past their input norm as one llama_layer (unless run whole)
+LLAMA_LAYERS = ("Qwen3DecoderLayer", "MistralDecoderLayer", "LlamaDecoderLayer")
 
 
 class Patch:
@@ -136,6 +138,14 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
                 result.left.append(f"{name}: not run whole: {why}")
             else:
                 gemma_layers.append((name, layer))
+    llama_layers = []
+    for name, layer in model.named_modules():
+        if type(layer).__name__ in LLAMA_LAYERS and id(layer) not in whole:
+            why = _llama_layer_left(layer)
+            if why:
+                result.left.append(f"{name}: not run past its input norm as one function: {why}")
+            else:
+                llama_layers.append((name, layer))
     for name, attention, fused in fused_layers:
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
@@ -161,6 +171,9 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
         result.replaced.append(name)
     for name, layer in gemma_layers:
         _route_gemma_layer(layer, result)
+        result.replaced.append(name)
+    for name, layer in llama_layers:
+        _route_llama_layer(layer, result)
         result.replaced.append(name)
     return result
 
@@ -311,20 +324,21 @@ def _attention_function(attention, functions, eager):
     return eager if implementation == "eager" else functions[implementation]
 
 
-def _route_gemma_layer(layer, result: Patch):
-    """The layer's forward, bound on the instance: its input norm, then gemma_layer.run,
-    whose `attend` is the attention's own steps after RoPE (KV cache, attention function, output
-    rows), as transformers' Gemma3Attention.forward runs them. Its own forward under
-    torch.compile (dynamo traces the routed layers), without gradients and with attention dropout."""
-    from .gemma_layer import GemmaLayerWeights, run
-
+def _route_past_input_norm(layer, result: Patch, run_layer):
+    """The layer's forward, bound on the instance: its input norm, then
+    run_layer(self, hidden_states, normed, cos, sin, attend), where `attend` is the attention's own
+    steps after RoPE (KV cache, attention function, output rows) as transformers' attention
+    forward runs them, with the named arguments the layer hands its attention. Its own forward
+    under torch.compile (dynamo traces the routed layers), without gradients and with attention
+    dropout."""
     original = type(layer).forward
     signature = inspect.signature(original)
-    attention, mlp = layer.self_attn, layer.mlp
-    config = attention.config
-    q_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    eps, qk_eps = layer.post_attention_layernorm.eps, attention.q_norm.eps
+    attention = layer.self_attn
     functions, eager = _attention_functions(attention)  # once: the lookup is on every call's path
+    # Mistral's attention reads its window from the config; Qwen3's and Gemma3's keep their own
+    sliding_window = getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
+    passed_on = ("self", "hidden_states", "attention_mask", "position_embeddings", "cache", "past_key_values",
+                 "kwargs")
 
     def forward(self, *args, **kwargs):
         if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
@@ -334,6 +348,7 @@ def _route_gemma_layer(layer, result: Patch):
         extra = dict(call.get("kwargs", {}))
         cache = call.get("cache", call.get("past_key_values", extra.pop("past_key_values", None)))
         hidden_states, attention_mask = call["hidden_states"], call.get("attention_mask")
+        extra.update((name, value) for name, value in call.items() if name not in passed_on)
         cos, sin = call["position_embeddings"]
         rows = hidden_states.shape[:-1]
 
@@ -342,20 +357,71 @@ def _route_gemma_layer(layer, result: Patch):
                 key, value = cache.update(key, value, attention.layer_idx)
             output, _ = _attention_function(attention, functions, eager)(
                 attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
-                sliding_window=getattr(attention, "sliding_window", None), position_ids=call.get("position_ids"),
-                **extra)
+                sliding_window=sliding_window, **extra)
             return output.reshape(*rows, -1).contiguous()
 
+        return run_layer(self, hidden_states, self.input_layernorm(hidden_states), cos, sin, attend)
+
+    layer.forward = types.MethodType(forward, layer)
+    result._restore.append(layer)
+
+
+def _route_gemma_layer(layer, result: Patch):
+    """The Gemma3 layer past its input norm as gemma_layer.run."""
+    from .gemma_layer import GemmaLayerWeights, run
+
+    attention, mlp = layer.self_attn, layer.mlp
+    q_heads, kv_heads = attention.config.num_attention_heads, attention.config.num_key_value_heads
+    eps, qk_eps = layer.post_attention_layernorm.eps, attention.q_norm.eps
+
+    def run_layer(self, hidden_states, normed, cos, sin, attend):
         weights = GemmaLayerWeights(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight,
                                     attention.q_norm.weight, attention.k_norm.weight, attention.o_proj.weight,
                                     self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
                                     mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
                                     self.post_feedforward_layernorm.weight)
-        return run(hidden_states, self.input_layernorm(hidden_states), cos, sin, attend, eps, qk_eps, q_heads,
-                   kv_heads, weights)
+        return run(hidden_states, normed, cos, sin, attend, eps, qk_eps, q_heads, kv_heads, weights)
 
-    layer.forward = types.MethodType(forward, layer)
-    result._restore.append(layer)
+    _route_past_input_norm(layer, result, run_layer)
+
+
+def _llama_layer_left(layer) -> str | None:
+    """Why a Qwen3 / Mistral / Llama decoder layer does not run as one llama_layer, or None."""
+    attention, mlp = layer.self_attn, layer.mlp
+    too_old = _too_old()
+    if too_old:
+        return too_old
+    if _attention_functions(attention) is None:
+        return "this transformers' attention functions are not where llama_layer looks for them"
+    if any(getattr(m, "bias", None) is not None for m in (attention.q_proj, attention.k_proj, attention.v_proj,
+                                                         attention.o_proj)):
+        return "a projection has a bias"
+    if MLP_ACTIVATIONS.get(getattr(mlp.config, MLPS.get(type(mlp).__name__, ""), None)) != "silu":
+        return "its MLP is not silu"
+    norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
+    if any(n is not None and type(n).__name__ not in NORMS for n in norms) or (norms[0] is None) != (norms[1] is None):
+        return "its Q/K norms are not the RMSNorm the kernels read"
+    return None
+
+
+def _route_llama_layer(layer, result: Patch):
+    """The Qwen3 / Mistral / Llama layer past its input norm as llama_layer.run."""
+    from .llama_layer import LlamaLayerWeights, run
+
+    attention, mlp = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    eps = layer.post_attention_layernorm.variance_epsilon
+    qk_eps = None if q_norm is None else q_norm.variance_epsilon
+
+    def run_layer(self, hidden_states, normed, cos, sin, attend):
+        weights = LlamaLayerWeights(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight,
+                                    None if q_norm is None else q_norm.weight,
+                                    None if k_norm is None else k_norm.weight, attention.o_proj.weight,
+                                    self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                                    mlp.down_proj.weight)
+        return run(hidden_states, normed, cos, sin, attend, eps, qk_eps, "silu", weights)
+
+    _route_past_input_norm(layer, result, run_layer)
 
 
 def _check_norm(name: str, norm):

@@ -77,9 +77,10 @@ def _check_step(make_model, norms_a_layer, family_dims, device, batch, seq, **di
     assert len(mlps) == layers
     rotaries = [name for name in handle.replaced if name.endswith("self_attn: apply_rotary_pos_emb")]
     assert len(rotaries) == layers
-    # Gemma3's layers whose attention fuses run past their input norm as one gemma_layer
+    # layers past their input norm as one function: Gemma3's whose attention fuses (gemma_layer),
+    # Qwen3's, Mistral's and Llama's (llama_layer)
     whole = [name for name in handle.replaced if name.startswith("model.layers.") and name.count(".") == 2]
-    assert len(whole) == len(fused)
+    assert len(whole) == (len(fused) if make_model is _gemma3 else layers)
     # and the final norm, and the embedding with the first layer's input norm
     assert len(handle.replaced) - len(fused) - len(mlps) - len(rotaries) - len(whole) == norms_a_layer * layers + 2
     assert "model.embed_tokens" in handle.replaced
@@ -91,7 +92,8 @@ def _check_step(make_model, norms_a_layer, family_dims, device, batch, seq, **di
     if whole:  # the layer's forward is the model's op for op
         assert torch.equal(patched_loss, loss)
         logits = patched(input_ids=ids, use_cache=False).logits
-        assert _graph_nodes(logits.grad_fn).count("_GemmaLayerFunctionBackward") == layers
+        node = "_GemmaLayerFunctionBackward" if make_model is _gemma3 else "_LlamaLayerFunctionBackward"
+        assert _graph_nodes(logits.grad_fn).count(node) == layers
     assert set(got) == set(want) == set(exact)
     names = sorted(want)
     assert_parity(names, [got[n] for n in names], [want[n] for n in names], ATOL, [exact[n] for n in names],
