@@ -13,9 +13,12 @@ What is swapped, by model family:
   whose attention part is the model's own attention's backward) while it trains eagerly; under
   torch.compile, without gradients or with attention dropout it runs its own forward through
   the layers routed as above.
-- Qwen3 and Mistral: every RMSNorm layer (two a decoder layer, Qwen3's Q/K norms, the final
-  norm) runs as modules.rms_norm, whose backward is the RMSNorm row kernel. Their attention has
-  several kv heads, which the QKV kernel does not read, so it stays as it is.
+- Qwen3, Mistral and Llama: every RMSNorm layer (two a decoder layer, Qwen3's Q/K norms, the
+  final norm) runs as modules.rms_norm, whose backward is the RMSNorm row kernel. Their attention
+  has several kv heads, which the QKV kernel does not read, so it stays as it is. Each decoder
+  layer (unless run whole, below) runs past its input norm as one llama_layer while it trains
+  eagerly (the same forward; one autograd node, the model's own attention's backward inside;
+  no biases, a silu MLP), else its own forward through the layers routed here.
 - Mistral and Llama with `decoder_layers=True`: each decoder layer runs whole as
   decoder_module.decoder_layer (transformers' eager forward, the decoder layer backward: the
   layer's norms, attention and FFN in one op); the final norm as above. The model must use
