@@ -26,11 +26,11 @@ def _gemma3(hidden=64, heads=4, kv_heads=1, head_dim=32, layers=2, attn_implemen
     return _random_norms(transformers.Gemma3ForCausalLM, config, start=0.0)  # Gemma3 scales by 1 + w
 
 
-def _qwen3(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2):
+def _qwen3(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2, attn_implementation="eager"):
     config = transformers.Qwen3Config(
         vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=64,
-        attn_implementation="eager")
+        attn_implementation=attn_implementation)
     return _random_norms(transformers.Qwen3ForCausalLM, config)
 
 
@@ -187,6 +187,9 @@ ACCUMULATING = {
                       ("o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                        "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
                        "post_feedforward_layernorm.weight")),
+    # Qwen3's layers past their input norm (llama_layer) and its routed input norm: every layer weight
+    "qwen3 layers": (_qwen3, {}, {"hidden": 1024, "heads": 8, "kv_heads": 2, "head_dim": 128, "layers": 1,
+                                  "attn_implementation": "sdpa"}, ("proj.weight", "norm.weight")),
 }
 
 
@@ -213,7 +216,7 @@ def test_whole_layers_accumulate_gradients_in_place_on_the_gpu(name):
         grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
     exact, want, got = grads
     in_place = [n for n in got if n.endswith(added) and ".layers." in n]
-    assert len(in_place) == (7 if name.startswith("mistral") else len(added))
+    assert len(in_place) == {"mistral whole layers": 7, "gemma3 layers": 7, "qwen3 layers": 11}[name]
     assert all(got[n] is first[n] for n in in_place)  # added into, not replaced
     names = sorted(want)
     assert sorted(got) == names
