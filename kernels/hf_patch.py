@@ -133,22 +133,19 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     for name, mlp in mlps:
         _check_gated_mlp(name, mlp)
     fused_attentions = {id(attention) for _, attention, _ in fused_layers}
-    gemma_layers = []
+    past_norm = []  # (name, layer, route): layers run past their input norm as one function
     for name, layer in model.named_modules():
-        if type(layer).__name__ in GEMMA_LAYERS and id(getattr(layer, "self_attn", None)) in fused_attentions:
-            why = _gemma_layer_left(layer)
-            if why:
-                result.left.append(f"{name}: not run whole: {why}")
-            else:
-                gemma_layers.append((name, layer))
-    llama_layers = []
-    for name, layer in model.named_modules():
-        if type(layer).__name__ in LLAMA_LAYERS and id(layer) not in whole:
-            why = _llama_layer_left(layer)
-            if why:
-                result.left.append(f"{name}: not run past its input norm as one function: {why}")
-            else:
-                llama_layers.append((name, layer))
+        kind = type(layer).__name__
+        if kind in GEMMA_LAYERS and id(getattr(layer, "self_attn", None)) in fused_attentions:
+            why, route = _gemma_layer_left(layer), _route_gemma_layer
+        elif kind in LLAMA_LAYERS and id(layer) not in whole:
+            why, route = _llama_layer_left(layer), _route_llama_layer
+        else:
+            continue
+        if why:
+            result.left.append(f"{name}: not run past its input norm as one function: {why}")
+        else:
+            past_norm.append((name, layer, route))
     for name, attention, fused in fused_layers:
         _route_through(attention, fused, result)
         result.replaced.append(f"{name}.[q_proj, k_proj, v_proj, q_norm, k_norm]")
@@ -172,11 +169,8 @@ def patch(model: torch.nn.Module, decoder_layers: bool = False) -> Patch:
     for name, layer in layers if decoder_layers else ():
         _route_whole_layer(layer, result)
         result.replaced.append(name)
-    for name, layer in gemma_layers:
-        _route_gemma_layer(layer, result)
-        result.replaced.append(name)
-    for name, layer in llama_layers:
-        _route_llama_layer(layer, result)
+    for name, layer, route in past_norm:
+        route(layer, result)
         result.replaced.append(name)
     return result
 
