@@ -64,8 +64,9 @@ class _GemmaLayerFunction(torch.autograd.Function):
         ffn_input, rstd2, scale2 = rms_norm_forward(middle, w.pre_ff_ln, eps, True)
         ffn_output, mlp_saved = gated_mlp_forward(ffn_input, w.gate, w.up, w.down, "gelu_tanh")
         post_ff, rstd3, scale3 = rms_norm_forward(ffn_output, w.post_ff_ln, eps, True)
-        ctx.save_for_backward(cos, sin, *qkv_saved, projected, rstd1, scale1, middle, rstd2, scale2, *mlp_saved,
-                              ffn_output, rstd3, scale3, *w)
+        # qkv_saved's weights are the layer's own (saved once, below)
+        ctx.save_for_backward(cos, sin, qkv_saved[0], *qkv_saved[6:], projected, rstd1, scale1, middle, rstd2,
+                              scale2, *mlp_saved, ffn_output, rstd3, scale3, *w)
         ctx.attention = attended, leaves
         ctx.qk_eps = qk_eps
         return middle + post_ff
@@ -73,10 +74,11 @@ class _GemmaLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         cos, sin, *saved = ctx.saved_tensors
-        qkv_saved, saved = saved[:10], saved[10:]
+        qkv_rows, saved = saved[:5], saved[5:]
         (projected, rstd1, scale1, middle, rstd2, scale2, ffn_input, gate, up, h, act, ffn_output, rstd3,
          scale3) = saved[:14]
         w = GemmaLayerWeights(*saved[14:])
+        qkv_saved = (qkv_rows[0], w.q, w.k, w.v, w.q_norm, w.k_norm, *qkv_rows[1:])
         count = len(GemmaLayerWeights._fields)  # the last tensor inputs
         nodes = GemmaLayerWeights(*accumulation_nodes(ctx, -count, count))
         grad_output = grad_output.contiguous()
