@@ -1,6 +1,10 @@
 """GPU tests carry @pytest.mark.gpu and skip cleanly where no CUDA device is present."""
 import pytest
 
+from cutebwd.tools import drop_checkout_root
+
+drop_checkout_root()  # `python -m pytest` at the root would shadow transformers' `kernels`
+
 
 def _has_gpu() -> bool:
     try:

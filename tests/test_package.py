@@ -1,5 +1,7 @@
 """The installed layout: one namespace `cutebwd`, public ops at its top."""
 import importlib
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -17,6 +19,16 @@ def test_only_cutebwd_is_installed_at_the_top():
         setuptools = tomllib.load(f)["tool"]["setuptools"]
     assert setuptools["package-dir"] == {"cutebwd": "."}
     assert all(p == "cutebwd" or p.startswith("cutebwd.") for p in setuptools["packages"])
+
+
+def test_the_checkouts_folders_are_not_top_level_modules_under_the_tools():
+    """Run at the checkout's root (`python -m`, `-c`: the working directory on sys.path), the
+    tools and tests leave `kernels` to Hugging Face's package, not this checkout's folder."""
+    root = Path(__file__).parents[1].resolve()
+    code = ("import importlib.util, cutebwd.tools; spec = importlib.util.find_spec('kernels'); "
+            "print(spec.origin if spec else '')")
+    found = subprocess.run([sys.executable, "-c", code], cwd=root, check=True, capture_output=True, text=True)
+    assert not found.stdout.strip().startswith(str(root / "kernels")), found.stdout
 
 
 def test_public_ops_resolve():
