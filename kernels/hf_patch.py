@@ -180,6 +180,10 @@ def _route_rotary(attention, result: Patch):
     module globals name rotary.apply_rotary_pos_emb where transformers' function was."""
     function = inspect.unwrap(type(attention).forward)
     scope = dict(function.__globals__, apply_rotary_pos_emb=apply_rotary_pos_emb)
+    # No module name: dynamo then guards the globals it reads in this dict, not in the module of
+    # that name (whose apply_rotary_pos_emb is transformers' own, and with Hugging Face's `kernels`
+    # installed an nn.Module, on which building the guard fails).
+    del scope["__name__"]
     forward = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__,
                                  function.__closure__)
     forward.__kwdefaults__ = function.__kwdefaults__

@@ -65,7 +65,9 @@ def test_patch_binds_it_on_the_attentions_only():
 
     handle = cutebwd.patch(model)
     for layer in model.model.layers:
-        assert layer.self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"] is rotary.apply_rotary_pos_emb
+        scope = layer.self_attn.forward.__func__.__globals__
+        assert scope["apply_rotary_pos_emb"] is rotary.apply_rotary_pos_emb
+        assert "__name__" not in scope  # torch.compile's guards read this scope, not the module's
     assert modeling_llama.apply_rotary_pos_emb is not rotary.apply_rotary_pos_emb  # the module's own stays
     assert "forward" not in vars(other.model.layers[0].self_attn)
     handle.undo()
