@@ -9,9 +9,9 @@ events around each backward call), and tokens per second in the JSON.
                                        [--decoder-layers] [--zero-grad] [--profile] [--rounds N]
                                        [--json FILE]
 
-Models: the widths of Gemma-3-270m and Gemma-3-1B (patched: the layer past its input norm as
-one autograd function, gemma_layer), Qwen3-4B and Mistral-Small-24B, Voxtral-Small's text decoder
-(patched: their norms, MLP and RoPE).
+Models: the widths of Gemma-3-270m and Gemma-3-1B, Qwen3-4B and Mistral-Small-24B
+(Voxtral-Small's text decoder); patched, each layer runs past its input norm as one autograd
+function (gemma_layer, llama_layer), its input norm and the final norm through the row kernel.
 --input-ids: token ids in, through the embedding at the model's real vocabulary, so the step
 times the embedding and first norm's backward as well (patched: embedding_norm). Without
 --zero-grad every timed step adds into the gradients of the steps before (gradient
