@@ -193,7 +193,7 @@ def _route_rotary(attention, result: Patch):
 
 def _check_gated_mlp(name: str, mlp):
     """Raises ValueError where gated_mlp does not compute the MLP's forward."""
-    activation = getattr(mlp.config, MLPS[type(mlp).__name__], None)
+    activation = _activation_name(mlp)
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if activation not in MLP_ACTIVATIONS:
         raise ValueError(f"cutebwd.patch: {name}: activation {activation!r} (the backward's are "
@@ -205,9 +205,14 @@ def _check_gated_mlp(name: str, mlp):
                          f"{sorted({str(p.weight.dtype) for p in projections})}")
 
 
+def _activation_name(mlp) -> str | None:
+    """transformers' name of the MLP's activation (its config field by MLP class), or None."""
+    return getattr(mlp.config, MLPS.get(type(mlp).__name__, ""), None)
+
+
 def _route_gated_mlp(mlp, result: Patch):
     """The MLP's forward, bound on the instance: the same output through gated_mlp."""
-    activation = MLP_ACTIVATIONS[getattr(mlp.config, MLPS[type(mlp).__name__])]
+    activation = MLP_ACTIVATIONS[_activation_name(mlp)]
 
     def forward(self, x):
         return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, activation)
@@ -289,20 +294,29 @@ def _too_old() -> str | None:
     return None
 
 
+def _layer_function_left(layer, function: str) -> str | None:
+    """Why no decoder layer of this transformers runs as one `function` around its attention (its
+    layers return tuples, or its attention functions are not where the route finds them), or None."""
+    too_old = _too_old()
+    if too_old:
+        return too_old
+    if _attention_functions(layer.self_attn) is None:
+        return f"this transformers' attention functions are not where {function} looks for them"
+    return None
+
+
 def _gemma_layer_left(layer) -> str | None:
     """Why a Gemma3 decoder layer (its attention fused) does not run as one gemma_layer, or None."""
     attention = layer.self_attn
     norms = (layer.post_attention_layernorm, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
-    too_old = _too_old()
-    if too_old:
-        return too_old
-    if _attention_functions(attention) is None:
-        return "this transformers' attention functions are not where gemma_layer looks for them"
+    why = _layer_function_left(layer, "gemma_layer")
+    if why:
+        return why
     if getattr(attention.config, "attn_logit_softcapping", None) is not None:
         return "attention logit softcapping"
     if any(type(norm).__name__ not in NORMS for norm in norms) or len({norm.eps for norm in norms}) != 1:
         return "its three inner norms do not share one eps"
-    if MLP_ACTIVATIONS.get(getattr(layer.mlp.config, MLPS.get(type(layer.mlp).__name__, ""), None)) != "gelu_tanh":
+    if MLP_ACTIVATIONS.get(_activation_name(layer.mlp)) != "gelu_tanh":
         return "its MLP is not gelu_tanh"
     return None
 
@@ -389,15 +403,13 @@ def _route_gemma_layer(layer, result: Patch):
 def _llama_layer_left(layer) -> str | None:
     """Why a Qwen3 / Mistral / Llama decoder layer does not run as one llama_layer, or None."""
     attention, mlp = layer.self_attn, layer.mlp
-    too_old = _too_old()
-    if too_old:
-        return too_old
-    if _attention_functions(attention) is None:
-        return "this transformers' attention functions are not where llama_layer looks for them"
+    why = _layer_function_left(layer, "llama_layer")
+    if why:
+        return why
     if any(getattr(m, "bias", None) is not None for m in (attention.q_proj, attention.k_proj, attention.v_proj,
                                                          attention.o_proj)):
         return "a projection has a bias"
-    if MLP_ACTIVATIONS.get(getattr(mlp.config, MLPS.get(type(mlp).__name__, ""), None)) != "silu":
+    if MLP_ACTIVATIONS.get(_activation_name(mlp)) != "silu":
         return "its MLP is not silu"
     norms = [getattr(attention, name, None) for name in ("q_norm", "k_norm")]
     if any(n is not None and type(n).__name__ not in NORMS for n in norms) or (norms[0] is None) != (norms[1] is None):
