@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..references import decoder_layer as contract
 from .checks import check_module_tensors
-from .modules import accumulation_nodes, gradient_to_add_into, hand_over
+from .modules import gradient_to_add_into, hand_over, weight_nodes
 from .torch_ops import op
 
 
@@ -108,8 +108,7 @@ class _DecoderLayerFunction(torch.autograd.Function):
                 w.up, w.gate, w.down, variance1, variance2, normalized1, normalized2, ctx.eps)
         # The projections' gradients go into an accumulating .grad in place (gradient_to_add_into),
         # in the contract's names: its gate is the model's up and its up the model's gate.
-        count = len(LayerWeights._fields)  # the last tensor inputs (attention_mask may be None)
-        nodes = LayerWeights(*accumulation_nodes(ctx, -count, count))
+        nodes = weight_nodes(ctx, w)  # counted from the last (attention_mask may be None)
         into = {name: grad for name, weight, node in (("grad_q_weight", w.q, nodes.q), ("grad_k_weight", w.k, nodes.k),
                                                        ("grad_v_weight", w.v, nodes.v), ("grad_o_weight", w.o, nodes.o),
                                                        ("grad_gate_weight", w.up, nodes.up),

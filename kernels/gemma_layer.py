@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .gated_mlp import gated_mlp_forward, gated_mlp_grads, linear_backward
-from .modules import accumulation_nodes, norm_backward, qkv_norm_backward, qkv_norm_forward, rms_norm_forward
+from .modules import norm_backward, qkv_norm_backward, qkv_norm_forward, rms_norm_forward, weight_nodes
 from .rotary import rotary_backward, rotate
 
 
@@ -52,8 +52,8 @@ class _GemmaLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual, normed, cos, sin, attend, eps, qk_eps, q_heads, kv_heads, *weights):
         w = GemmaLayerWeights(*weights)
-        query, key, value, qkv_saved = qkv_norm_forward(normed, w.q, w.k, w.v, w.q_norm, w.k_norm, q_heads,
-                                                        kv_heads, qk_eps)
+        query, key, value, qkv_activations = qkv_norm_forward(normed, w.q, w.k, w.v, w.q_norm, w.k_norm, q_heads,
+                                                              kv_heads, qk_eps)
         query, key = rotate(query, key, cos.unsqueeze(1), sin.unsqueeze(1))
         with torch.enable_grad():  # the attention's own graph, which the backward runs backward
             leaves = tuple(t.detach().requires_grad_() for t in (query, key, value))
@@ -64,9 +64,8 @@ class _GemmaLayerFunction(torch.autograd.Function):
         ffn_input, rstd2, scale2 = rms_norm_forward(middle, w.pre_ff_ln, eps, True)
         ffn_output, mlp_saved = gated_mlp_forward(ffn_input, w.gate, w.up, w.down, "gelu_tanh")
         post_ff, rstd3, scale3 = rms_norm_forward(ffn_output, w.post_ff_ln, eps, True)
-        # qkv_saved's weights are the layer's own (saved once, below)
-        ctx.save_for_backward(cos, sin, qkv_saved[0], *qkv_saved[6:], projected, rstd1, scale1, middle, rstd2,
-                              scale2, *mlp_saved, ffn_output, rstd3, scale3, *w)
+        ctx.save_for_backward(cos, sin, *qkv_activations, projected, rstd1, scale1, middle, rstd2, scale2, *mlp_saved,
+                              ffn_output, rstd3, scale3, *w)
         ctx.attention = attended, leaves
         ctx.qk_eps = qk_eps
         return middle + post_ff
@@ -74,13 +73,11 @@ class _GemmaLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         cos, sin, *saved = ctx.saved_tensors
-        qkv_rows, saved = saved[:5], saved[5:]
+        qkv_activations, saved = saved[:5], saved[5:]
         (projected, rstd1, scale1, middle, rstd2, scale2, ffn_input, gate, up, h, act, ffn_output, rstd3,
          scale3) = saved[:14]
         w = GemmaLayerWeights(*saved[14:])
-        qkv_saved = (qkv_rows[0], w.q, w.k, w.v, w.q_norm, w.k_norm, *qkv_rows[1:])
-        count = len(GemmaLayerWeights._fields)  # the last tensor inputs
-        nodes = GemmaLayerWeights(*accumulation_nodes(ctx, -count, count))
+        nodes = weight_nodes(ctx, w)
         grad_output = grad_output.contiguous()
         grad_ffn_output, grad_post_ff = norm_backward(grad_output, ffn_output, rstd3, w.post_ff_ln, scale3,
                                                       nodes.post_ff_ln)
@@ -96,7 +93,8 @@ class _GemmaLayerFunction(torch.autograd.Function):
         grad_query, grad_key, grad_value = torch.autograd.grad(attended, leaves, grad_attended)
         grad_query, grad_key = rotary_backward(grad_query, grad_key, cos, sin)
         grad_normed, grad_q, grad_k, grad_v, grad_q_norm, grad_k_norm = qkv_norm_backward(
-            grad_query, grad_key, grad_value, qkv_saved, ctx.qk_eps, (nodes.q_norm, nodes.k_norm))
+            grad_query, grad_key, grad_value, qkv_activations, (w.q, w.k, w.v, w.q_norm, w.k_norm), ctx.qk_eps,
+            (nodes.q_norm, nodes.k_norm))
         weight_grads = GemmaLayerWeights(grad_q, grad_k, grad_v, grad_q_norm, grad_k_norm, grad_o, grad_post_attn,
                                          grad_pre_ff, grad_gate, grad_up, grad_down, grad_post_ff)
         return (grad_middle, grad_normed, None, None, None, None, None, None, None, *weight_grads)

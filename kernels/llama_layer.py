@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .gated_mlp import gated_mlp_forward, gated_mlp_grads, linear_backward, projections_backward
-from .modules import accumulation_nodes, norm_backward, rms_norm_forward
+from .modules import norm_backward, rms_norm_forward, weight_nodes
 from .rotary import rotary_backward, rotate
 
 
@@ -75,7 +75,7 @@ class _LlamaLayerFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         normed, cos, sin, q_rows, q_rstd, k_rows, k_rstd, middle, rstd, *saved = ctx.saved_tensors
         mlp_saved, w = saved[:5], LlamaLayerWeights(*saved[5:])
-        nodes = _nodes(ctx, w)
+        nodes = weight_nodes(ctx, w)
         grad_output = grad_output.contiguous()
         grad_ffn_input, grad_gate, grad_up, grad_down = gated_mlp_grads(
             grad_output, mlp_saved, (w.gate, w.up, w.down), ctx.activation, (nodes.gate, nodes.up, nodes.down))
@@ -97,13 +97,6 @@ class _LlamaLayerFunction(torch.autograd.Function):
         weight_grads = LlamaLayerWeights(grad_q, grad_k, grad_v, grad_q_norm, grad_k_norm, grad_o, grad_post_attn,
                                          grad_gate, grad_up, grad_down)
         return (grad_middle, grad_normed, None, None, None, None, None, None, *weight_grads)
-
-
-def _nodes(ctx, weights: LlamaLayerWeights) -> LlamaLayerWeights:
-    """The weights' accumulation nodes (the last tensor inputs; a None weight has none)."""
-    count = sum(t is not None for t in weights)
-    edges = iter(accumulation_nodes(ctx, -count, count))
-    return LlamaLayerWeights(*(None if t is None else next(edges) for t in weights))
 
 
 def run(residual, normed, cos, sin, attend, eps: float, qk_eps: float | None, activation: str,

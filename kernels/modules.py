@@ -33,23 +33,24 @@ class _QKVNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_heads, kv_heads,
                 eps):
-        query, key, value, saved = qkv_norm_forward(hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
-                                                    k_norm_weight, q_heads, kv_heads, eps)
-        ctx.save_for_backward(*saved)
+        query, key, value, activations = qkv_norm_forward(hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
+                                                          k_norm_weight, q_heads, kv_heads, eps)
+        ctx.save_for_backward(*activations, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight)
         ctx.eps = eps
         return query, key, value
 
     @staticmethod
     def backward(ctx, grad_query, grad_key, grad_value):
+        saved = ctx.saved_tensors
         nodes = accumulation_nodes(ctx, 4, 2)
-        return (*qkv_norm_backward(grad_query, grad_key, grad_value, ctx.saved_tensors, ctx.eps, nodes), None, None,
-                None)
+        return (*qkv_norm_backward(grad_query, grad_key, grad_value, saved[:5], saved[5:], ctx.eps, nodes), None,
+                None, None)
 
 
 def qkv_norm_forward(hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_heads: int,
                      kv_heads: int, eps: float):
-    """(query, key, value [b, heads, s, d], what qkv_norm_backward reads): Gemma3's projections and
-    Q/K norms as transformers computes them."""
+    """(query, key, value [b, heads, s, d], the activations qkv_norm_backward reads besides the five
+    weights): Gemma3's projections and Q/K norms as transformers computes them."""
     batch, seq, _ = hidden_states.shape
     head_dim = q_norm_weight.shape[0]
 
@@ -65,16 +66,16 @@ def qkv_norm_forward(hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
     query, q_rstd, q_normed = gemma_norm(heads(q_weight, q_heads), q_norm_weight)
     key, k_rstd, k_normed = gemma_norm(heads(k_weight, kv_heads), k_norm_weight)
     value = heads(v_weight, kv_heads)
-    return query, key, value, (hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_rstd,
-                               k_rstd, q_normed, k_normed)
+    return query, key, value, (hidden_states, q_rstd, k_rstd, q_normed, k_normed)
 
 
-def qkv_norm_backward(grad_query, grad_key, grad_value, saved, eps: float, nodes=(None, None)):
+def qkv_norm_backward(grad_query, grad_key, grad_value, activations, weights, eps: float, nodes=(None, None)):
     """-> (grad_hidden_states, grad_q_weight, grad_k_weight, grad_v_weight, grad_q_norm_weight,
-    grad_k_norm_weight) for qkv_norm_forward's `saved`; the norm weights' gradients None where
-    added into their .grad in place (hand_over; `nodes`: their accumulation nodes)."""
-    (hidden_states, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, q_rstd, k_rstd, q_normed,
-     k_normed) = saved
+    grad_k_norm_weight) for qkv_norm_forward's `activations` and the (q, k, v, q_norm, k_norm)
+    `weights`; the norm weights' gradients None where added into their .grad in place (hand_over;
+    `nodes`: their accumulation nodes)."""
+    hidden_states, q_rstd, k_rstd, q_normed, k_normed = activations
+    q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight = weights
     # The op reads one kv head's value gradient as [tokens, d] rows.
     grad_value = grad_value.contiguous()
     args = (grad_query, grad_key, grad_value, hidden_states, q_weight, k_weight, v_weight, q_norm_weight,
@@ -217,6 +218,14 @@ def accumulation_nodes(ctx, first: int, count: int) -> list:
     edges = ctx.next_functions
     first = first + len(edges) if first < 0 else first
     return [edge[0] for edge in edges[first:first + count]]
+
+
+def weight_nodes(ctx, weights: tuple) -> tuple:
+    """accumulation_nodes of `weights` (a NamedTuple), the forward's last tensor inputs, as the same
+    NamedTuple; a None weight (no tensor input) has None."""
+    count = sum(t is not None for t in weights)
+    edges = iter(accumulation_nodes(ctx, -count, count))
+    return type(weights)(*(None if t is None else next(edges) for t in weights))
 
 
 def _accumulates_into(leaf, node=None) -> bool:
