@@ -85,7 +85,8 @@ class _LlamaLayerFunction(torch.autograd.Function):
         attended, leaves = ctx.attention
         grad_attended, grad_o = linear_backward(grad_middle, attended.detach(), w.o, nodes.o)
         grad_query, grad_key, grad_value = torch.autograd.grad(attended, leaves, grad_attended)
-        grad_query, grad_key = rotary_backward(grad_query, grad_key, cos, sin)
+        # laid out [b, s, heads, d]: the projections' rows, read below without a copy
+        grad_query, grad_key = rotary_backward(grad_query, grad_key, cos, sin, token_major=True)
         # back to the projections' [b, s, heads, d] rows, through the head norms where there are
         grad_query, grad_key, grad_value = (g.transpose(1, 2) for g in (grad_query, grad_key, grad_value))
         grad_q_norm = grad_k_norm = None

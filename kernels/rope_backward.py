@@ -156,14 +156,21 @@ def rope_backward(grad_q, grad_k, cos, sin):
     return launch(grad_q, grad_k, cos, sin)
 
 
-def launch(grad_q, grad_k, cos, sin):
+def launch(grad_q, grad_k, cos, sin, token_major: bool = False):
     """rope_backward on tensors kernel_reads has passed (the operator's call decides that first, so
-    a call checks them once)."""
+    a call checks them once). dq and dk come contiguous, or with token_major [b, s, heads, d] in
+    memory (the kernel writes through free strides, the same build)."""
     import torch
 
     check_same_device(grad_q=grad_q, grad_k=grad_k, cos=cos, sin=sin)
-    dq, dk = torch.empty_like(grad_q, memory_format=torch.contiguous_format), \
-        torch.empty_like(grad_k, memory_format=torch.contiguous_format)
+
+    def result(grad):
+        if token_major:
+            batch, heads, seq, head_dim = grad.shape
+            return grad.new_empty((batch, seq, heads, head_dim)).transpose(1, 2)
+        return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+    dq, dk = result(grad_q), result(grad_k)
     if grad_q.numel() + grad_k.numel():
         _function(grad_q.shape[-1], runtime.device_arch(grad_q.device.index))(grad_q, grad_k, cos, sin, dq, dk)
     return dq, dk

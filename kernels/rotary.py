@@ -5,10 +5,10 @@
         the forward is transformers' own operations (bitwise its output); q, k [b, heads, s, d],
         cos, sin [b or 1, s, d]. It saves cos and sin only.
 
-On CUDA bf16 tensors of shapes the kernel takes (rope_backward.kernel_takes) the backward is the
-operator torch.ops.cutebwd.rope_backward (eagerly the function behind it): the kernel where it reads
-the tensors' strides and alignment, else the same arithmetic in PyTorch (rope_backward_reference),
-fp32 with one rounding, as everywhere else. Calls this function does not cover (another
+On CUDA bf16 tensors the backward is the kernel where it reads the tensors' shapes, strides and
+alignment (rope_backward.kernel_reads; under torch.compile the operator
+torch.ops.cutebwd.rope_backward, which decides the same), else the same arithmetic in PyTorch
+(rope_backward_reference), fp32 with one rounding, as everywhere else. Calls this function does not cover (another
 unsqueeze_dim, cos or sin needing a gradient) run transformers' operations with autograd's
 backward.
 """
@@ -36,14 +36,19 @@ class _RotaryFunction(torch.autograd.Function):
         return (*rotary_backward(grad_q, grad_k, *ctx.saved_tensors), None, None)
 
 
-def rotary_backward(grad_q, grad_k, cos, sin):
+def rotary_backward(grad_q, grad_k, cos, sin, token_major: bool = False):
     """(grad_q, grad_k) through apply_rotary_pos_emb's forward: the kernel where it reads the
-    tensors, else rope_backward_reference."""
+    tensors, else rope_backward_reference. token_major: the kernel's results laid out [b, s,
+    heads, d] in memory (still indexed [b, heads, s, d]), so a caller going back to the
+    projections' rows reads them without a copy; eager calls only."""
     if grad_q is not None and grad_k is not None and grad_q.is_cuda:
-        from .rope_backward import kernel_takes
+        from . import rope_backward
 
-        if kernel_takes(grad_q, grad_k, cos, sin):  # strides and alignment: the operator's call
-            return op("rope_backward")(grad_q, grad_k, cos, sin)
+        if torch.compiler.is_compiling():  # strides and alignment: the operator's call
+            if rope_backward.kernel_takes(grad_q, grad_k, cos, sin):
+                return op("rope_backward")(grad_q, grad_k, cos, sin)
+        elif rope_backward.kernel_reads(grad_q, grad_k, cos, sin):
+            return rope_backward.launch(grad_q, grad_k, cos, sin, token_major)
     return rope_backward_reference(grad_q, grad_k, cos, sin)
 
 

@@ -100,3 +100,17 @@ def test_kernel_reads_gradients_through_their_strides():
         rope_backward(grad_q[..., :24], grad_k[..., :24], cos[..., :24], sin[..., :24])
     with pytest.raises(ValueError, match="expected \\[b, heads, s, d\\]"):
         rope_backward(grad_q, grad_k[:1], cos, sin)
+
+
+@pytest.mark.gpu
+def test_token_major_results_are_the_same_values_laid_out_as_the_projections_rows():
+    """rotary_backward(token_major=True): dq, dk bitwise the contiguous call's, [b, s, heads, d]
+    in memory, so transposing them back gives the projections' rows without a copy."""
+    from cutebwd.kernels.rotary import rotary_backward
+
+    q, k, cos, sin, grad_q, grad_k = _inputs(2, 8, 2, 40, 128, "cuda")
+    want = rotary_backward(grad_q, grad_k, cos, sin)
+    got = rotary_backward(grad_q, grad_k, cos, sin, token_major=True)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a, b)
+        assert a.transpose(1, 2).is_contiguous() and not a.is_contiguous()
