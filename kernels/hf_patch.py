@@ -266,8 +266,7 @@ def _route_whole_layer(layer, result: Patch):
         position_embeddings = call.get("position_embeddings")
         # A training forward may carry an empty dynamic cache (transformers makes one unless
         # use_cache=False): filled with this layer's keys and values as the attention would.
-        fresh_cache = cache is None or (type(cache).__name__ == "DynamicCache"
-                                        and cache.get_seq_length(attention.layer_idx) == 0)
+        fresh_cache = cache is None or _empty_dynamic_cache(cache, attention.layer_idx)
         if not fresh_cache or position_embeddings is None or not torch.is_grad_enabled():
             return original(self, *args, **kwargs)
         weights = LayerWeights(self.input_layernorm.weight, attention.q_proj.weight, attention.k_proj.weight,
@@ -366,9 +365,12 @@ def _route_past_input_norm(layer, result: Patch, run_layer):
         extra.update((name, value) for name, value in call.items() if name not in passed_on)
         cos, sin = call["position_embeddings"]
         rows = hidden_states.shape[:-1]
+        fresh = _empty_dynamic_cache(cache, attention.layer_idx)
 
         def attend(query, key, value):
-            if cache is not None:
+            if fresh:  # it hands back these keys and values: filled detached, the graph has no copy to run back
+                cache.update(key.detach(), value.detach(), attention.layer_idx)
+            elif cache is not None:
                 key, value = cache.update(key, value, attention.layer_idx)
             output, _ = _attention_function(attention, functions, eager)(
                 attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
@@ -379,6 +381,12 @@ def _route_past_input_norm(layer, result: Patch, run_layer):
 
     layer.forward = types.MethodType(forward, layer)
     result._restore.append(layer)
+
+
+def _empty_dynamic_cache(cache, layer_idx: int) -> bool:
+    """Whether `cache` is a DynamicCache with nothing in the layer yet: its update then returns the
+    keys and values it is given (the concatenation onto an empty tensor is a copy)."""
+    return type(cache).__name__ == "DynamicCache" and cache.get_seq_length(layer_idx) == 0
 
 
 def _route_gemma_layer(layer, result: Patch):

@@ -158,21 +158,33 @@ def _check_whole_layers(device, batch, seq, **dims):
         torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_gemma_layers_run_whole_with_the_models_attention(attention):
-    """Gemma3's layers past their input norm are one autograd node each whatever the attention
+@pytest.mark.parametrize("family,attention", [("gemma3", "eager"), ("gemma3", "sdpa"), ("qwen3", "sdpa"),
+                                              ("mistral", "eager")])
+def test_layers_run_whole_with_the_models_attention_and_cache(family, attention):
+    """The layers past their input norm are one autograd node each whatever the attention
     implementation; the default call (a KV cache filled) gives the model's logits and cache
-    bitwise, and calls without gradients run the layer's own forward."""
-    model = _gemma3(attn_implementation=attention).to(torch.bfloat16)
+    bitwise, the cache holding no graph (the layer's attention reads the keys and values it was
+    handed, so its backward has no copy to run back through), and the same gradients as a call
+    without a cache; calls without gradients run the layer's own forward."""
+    make_model = {"gemma3": _gemma3, "qwen3": _qwen3, "mistral": _mistral}[family]
+    model = make_model(attn_implementation=attention).to(torch.bfloat16)
     patched = copy.deepcopy(model)
     cutebwd.patch(patched)
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
     patched_out, out = patched(input_ids=ids), model(input_ids=ids)
-    assert _graph_nodes(patched_out.logits.grad_fn).count("_GemmaLayerFunctionBackward") == 2
+    node = "_GemmaLayerFunctionBackward" if family == "gemma3" else "_LlamaLayerFunctionBackward"
+    assert _graph_nodes(patched_out.logits.grad_fn).count(node) == 2
     assert torch.equal(patched_out.logits, out.logits)
     caches = [getattr(o, "past_key_values", None) or o.cache for o in (patched_out, out)]
     for patched_layer, layer in zip(*(c.layers for c in caches), strict=True):
         assert torch.equal(patched_layer.keys, layer.keys) and torch.equal(patched_layer.values, layer.values)
+        assert patched_layer.keys.grad_fn is None and patched_layer.values.grad_fn is None
+    patched_out.logits.float().square().mean().backward()
+    with_cache = {n: p.grad for n, p in patched.named_parameters()}
+    patched.zero_grad(set_to_none=True)
+    patched(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
+    for n, p in patched.named_parameters():
+        torch.testing.assert_close(with_cache[n], p.grad, rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(patched(input_ids=ids).logits, out.logits, rtol=0, atol=0)
 
