@@ -37,6 +37,10 @@ What is swapped, by model family:
   with the embedding backward's model form, into the weight's gradient in place where one
   exists.
 All need bf16 parameters.
+A layer that runs as one function in a training call fills an empty dynamic KV cache (transformers
+makes one unless use_cache=False) with its keys and values detached: the attention reads the ones
+it was handed, which are what the cache would hand back, so the layer's backward runs no
+concatenation back. The cache holds the model's values bitwise, without their graph.
 
 How: the attention's own forward still runs. Its q_proj computes the fused Q, K and V for the
 hidden states and returns Q (already normed) in the projection's [b, s, heads * d] layout; k_proj

@@ -158,19 +158,21 @@ def _check_whole_layers(device, batch, seq, **dims):
         torch.testing.assert_close(patched(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family,attention", [("gemma3", "eager"), ("gemma3", "sdpa"), ("qwen3", "sdpa"),
-                                              ("mistral", "eager")])
-def test_layers_run_whole_with_the_models_attention_and_cache(family, attention):
+@pytest.mark.parametrize("family,attention,device", [
+    ("gemma3", "eager", "cpu"), ("gemma3", "sdpa", "cpu"), ("qwen3", "sdpa", "cpu"), ("mistral", "eager", "cpu"),
+    pytest.param("qwen3", "sdpa", "cuda", marks=pytest.mark.gpu),
+    pytest.param("gemma3", "sdpa", "cuda", marks=pytest.mark.gpu)])
+def test_layers_run_whole_with_the_models_attention_and_cache(family, attention, device):
     """The layers past their input norm are one autograd node each whatever the attention
     implementation; the default call (a KV cache filled) gives the model's logits and cache
     bitwise, the cache holding no graph (the layer's attention reads the keys and values it was
     handed, so its backward has no copy to run back through), and the same gradients as a call
     without a cache; calls without gradients run the layer's own forward."""
     make_model = {"gemma3": _gemma3, "qwen3": _qwen3, "mistral": _mistral}[family]
-    model = make_model(attn_implementation=attention).to(torch.bfloat16)
+    model = make_model(attn_implementation=attention).to(device, torch.bfloat16)
     patched = copy.deepcopy(model)
     cutebwd.patch(patched)
-    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
     patched_out, out = patched(input_ids=ids), model(input_ids=ids)
     node = "_GemmaLayerFunctionBackward" if family == "gemma3" else "_LlamaLayerFunctionBackward"
     assert _graph_nodes(patched_out.logits.grad_fn).count(node) == 2
@@ -183,8 +185,9 @@ def test_layers_run_whole_with_the_models_attention_and_cache(family, attention)
     with_cache = {n: p.grad for n, p in patched.named_parameters()}
     patched.zero_grad(set_to_none=True)
     patched(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
+    exact = {"rtol": 0, "atol": 0} if device == "cpu" else {}  # the GPU's attention backward may sum in any order
     for n, p in patched.named_parameters():
-        torch.testing.assert_close(with_cache[n], p.grad, rtol=0, atol=0)
+        torch.testing.assert_close(with_cache[n], p.grad, **exact)
     with torch.no_grad():
         torch.testing.assert_close(patched(input_ids=ids).logits, out.logits, rtol=0, atol=0)
 
