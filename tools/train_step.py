@@ -6,8 +6,8 @@ bf16 random weights at a real model's widths: ms a step, ms of its backward alon
 events around each backward call), and tokens per second in the JSON.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--input-ids]
-                                       [--decoder-layers] [--zero-grad] [--profile] [--rounds N]
-                                       [--json FILE]
+                                       [--decoder-layers] [--zero-grad] [--caller-thread] [--profile]
+                                       [--rounds N] [--json FILE]
 
 Models: the widths of Gemma-3-270m and Gemma-3-1B, Qwen3-4B and Mistral-Small-24B
 (Voxtral-Small's text decoder); patched, each layer runs past its input norm as one autograd
@@ -18,6 +18,9 @@ times the embedding and first norm's backward as well (patched: embedding_norm).
 accumulation): the patched embedding adds into the table's gradient in place, touching only the
 ids' rows, where the unpatched model adds a whole dense table. --zero-grad sets them to None
 before each step (a first micro-batch: both write a fresh table).
+--caller-thread: every variant's backward runs on the thread that calls it
+(`torch.autograd.set_multithreading_enabled(False)`, a setting of that thread), not on autograd's
+device thread: where a step is bound by host time, the same Python runs warmer there.
 --profile: each variant's backward also under torch.profiler: GPU kernel time and launches a
 backward, against its wall time (what the host adds), and the kernels that take the most.
 --decoder-layers: Mistral's layer whole (patch(model, decoder_layers=True)), which needs eager
@@ -63,12 +66,13 @@ def one_layer(family: str, widths: dict, attention: str = "sdpa", vocab: int = 2
 
 
 def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bool = False,
-            zero_grad: bool = False) -> tuple[float, float]:
+            zero_grad: bool = False, caller_thread: bool = False) -> tuple[float, float]:
     """(milliseconds a forward + backward of `model` on random input embeddings, milliseconds
     of the backward alone: the median over `backward_calls` steps of CUDA events around the
     backward call, host time included). Each backward has its own forward: a graph run
     backward twice (retain_graph) is refused by torch.compile's donated buffers. `zero_grad`:
-    gradients set to None before each step (a first micro-batch), else accumulated."""
+    gradients set to None before each step (a first micro-batch), else accumulated.
+    `caller_thread`: the backward runs on this thread (module docstring)."""
     import statistics
 
     import torch
@@ -82,16 +86,17 @@ def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bo
         _clear(model, inputs, zero_grad)
         model(**inputs).last_hidden_state.backward(upstream)
 
-    ms = time_ms(step, [()], budget_ms=200, repeats=5)  # warms up as well
-    events = []
-    for _ in range(backward_calls):
-        _clear(model, inputs, zero_grad)
-        out = model(**inputs).last_hidden_state
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out.backward(upstream)
-        end.record()
-        events.append((start, end))
+    with torch.autograd.set_multithreading_enabled(not caller_thread):  # this thread's setting only
+        ms = time_ms(step, [()], budget_ms=200, repeats=5)  # warms up as well
+        events = []
+        for _ in range(backward_calls):
+            _clear(model, inputs, zero_grad)
+            out = model(**inputs).last_hidden_state
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out.backward(upstream)
+            end.record()
+            events.append((start, end))
     torch.cuda.synchronize()
     return ms, statistics.median(start.elapsed_time(end) for start, end in events)
 
@@ -155,6 +160,8 @@ def main(argv=None) -> int:
                         help="Mistral's decoder layer whole, eager attention (module docstring)")
     parser.add_argument("--zero-grad", action="store_true",
                         help="gradients set to None before each step (a first micro-batch; module docstring)")
+    parser.add_argument("--caller-thread", action="store_true",
+                        help="every backward on the calling thread, not autograd's device thread (module docstring)")
     parser.add_argument("--profile", action="store_true",
                         help="each backward's GPU kernels as well (module docstring)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -202,14 +209,14 @@ def main(argv=None) -> int:
         for seq in args.seq or [512, 2048]:
             tokens = args.batch * seq
             row = {"model": name, "batch": args.batch, "seq": seq, "input_ids": args.input_ids,
-                   "zero_grad": args.zero_grad}
+                   "zero_grad": args.zero_grad, "caller_thread": args.caller_thread}
             timed = {label: [] for label, _ in variants}
             for round_ in range(args.rounds):
                 for label, model in variants:
                     progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}"
                              + (f" (round {round_ + 1} of {args.rounds})" if args.rounds > 1 else ""))
                     timed[label].append(step_ms(model, args.batch, seq, input_ids=args.input_ids,
-                                                zero_grad=args.zero_grad))
+                                                zero_grad=args.zero_grad, caller_thread=args.caller_thread))
             for label, model in variants:
                 ms = statistics.median(t[0] for t in timed[label])
                 backward_ms = statistics.median(t[1] for t in timed[label])
