@@ -102,7 +102,7 @@ def step_ms(model, batch: int, seq: int, backward_calls: int = 20, input_ids: bo
 
 
 def backward_kernels(model, batch: int, seq: int, input_ids: bool = False, zero_grad: bool = False, calls: int = 5,
-                     top: int = 6) -> dict:
+                     top: int = 6, caller_thread: bool = False) -> dict:
     """Where one backward's GPU time goes, from torch.profiler over `calls` backward calls: GPU
     kernel ms and launches a backward, and the `top` kernels by GPU time (name, ms a backward,
     launches a backward)."""
@@ -115,7 +115,8 @@ def backward_kernels(model, batch: int, seq: int, input_ids: bool = False, zero_
     upstream = torch.randn(batch, seq, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     outs = [model(**inputs).last_hidden_state for _ in range(calls)]
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with (torch.autograd.set_multithreading_enabled(not caller_thread),
+          profile(activities=[ProfilerActivity.CUDA]) as prof):
         for out in outs:
             _clear(model, inputs, zero_grad)
             out.backward(upstream)
@@ -224,7 +225,8 @@ def main(argv=None) -> int:
                               "rounds": [{"ms": t[0], "backward_ms": t[1]} for t in timed[label]]}
                 if args.profile:
                     row[label]["kernels"] = kernels = backward_kernels(model, args.batch, seq, args.input_ids,
-                                                                             args.zero_grad)
+                                                                             args.zero_grad,
+                                                                             caller_thread=args.caller_thread)
                     print(f"  {label}: backward {backward_ms:.3f} ms, GPU kernels {kernels['gpu_ms']:.3f} ms in "
                           f"{kernels['launches']:.0f} launches; most: " + "; ".join(
                               f"{name[:60]} {ms:.3f} ms x{n:.0f}" for name, ms, n in kernels["top"]), flush=True)
