@@ -6,8 +6,8 @@ bf16 random weights at a real model's widths: ms a step, ms of its backward alon
 events around each backward call), and tokens per second in the JSON.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--input-ids]
-                                       [--decoder-layers] [--zero-grad] [--caller-thread] [--profile]
-                                       [--rounds N] [--json FILE]
+                                       [--decoder-layers] [--zero-grad] [--backward-thread WHERE]
+                                       [--profile] [--rounds N] [--json FILE]
 
 Models: the widths of Gemma-3-270m and Gemma-3-1B, Qwen3-4B and Mistral-Small-24B
 (Voxtral-Small's text decoder); patched, each layer runs past its input norm as one autograd
@@ -18,9 +18,11 @@ times the embedding and first norm's backward as well (patched: embedding_norm).
 accumulation): the patched embedding adds into the table's gradient in place, touching only the
 ids' rows, where the unpatched model adds a whole dense table. --zero-grad sets them to None
 before each step (a first micro-batch: both write a fresh table).
---caller-thread: every variant's backward runs on the thread that calls it
-(`torch.autograd.set_multithreading_enabled(False)`, a setting of that thread), not on autograd's
-device thread: where a step is bound by host time, the same Python runs warmer there.
+--backward-thread: where each backward runs: `device`, autograd's own thread for the GPU (its
+default), `caller`, the thread that calls backward (`torch.autograd.set_multithreading_enabled(False)`,
+a setting of that thread), or `both`, every variant timed both ways in the same rounds (labels
+", calling thread"). Where a step is bound by host time the patched backward's Python runs
+faster on the calling thread.
 --profile: each variant's backward also under torch.profiler: GPU kernel time and launches a
 backward, against its wall time (what the host adds), and the kernels that take the most.
 --decoder-layers: Mistral's layer whole (patch(model, decoder_layers=True)), which needs eager
@@ -161,8 +163,9 @@ def main(argv=None) -> int:
                         help="Mistral's decoder layer whole, eager attention (module docstring)")
     parser.add_argument("--zero-grad", action="store_true",
                         help="gradients set to None before each step (a first micro-batch; module docstring)")
-    parser.add_argument("--caller-thread", action="store_true",
-                        help="every backward on the calling thread, not autograd's device thread (module docstring)")
+    parser.add_argument("--backward-thread", choices=("device", "caller", "both"), default="device",
+                        help="autograd's device thread (its default), the calling thread, or both in turn "
+                             "(module docstring)")
     parser.add_argument("--profile", action="store_true",
                         help="each backward's GPU kernels as well (module docstring)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -207,33 +210,35 @@ def main(argv=None) -> int:
                     ("cutebwd.patch + torch.compile", patched_compiled))
         if args.decoder_layers:
             variants = (("eager, sdpa attention", one_layer(family, widths, vocab=vocab)),) + variants
+        callers = {"device": (False,), "caller": (True,), "both": (False, True)}[args.backward_thread]
+        variants = tuple((label + (", calling thread" if caller and len(callers) > 1 else ""), model, caller)
+                         for label, model in variants for caller in callers)
         for seq in args.seq or [512, 2048]:
             tokens = args.batch * seq
             row = {"model": name, "batch": args.batch, "seq": seq, "input_ids": args.input_ids,
-                   "zero_grad": args.zero_grad, "caller_thread": args.caller_thread}
-            timed = {label: [] for label, _ in variants}
+                   "zero_grad": args.zero_grad, "backward_thread": args.backward_thread}
+            timed = {label: [] for label, _, _ in variants}
             for round_ in range(args.rounds):
-                for label, model in variants:
+                for label, model, caller in variants:
                     progress(f"[train_step] {name} batch {args.batch} seq {seq}: {label}"
                              + (f" (round {round_ + 1} of {args.rounds})" if args.rounds > 1 else ""))
                     timed[label].append(step_ms(model, args.batch, seq, input_ids=args.input_ids,
-                                                zero_grad=args.zero_grad, caller_thread=args.caller_thread))
-            for label, model in variants:
+                                                zero_grad=args.zero_grad, caller_thread=caller))
+            for label, model, caller in variants:
                 ms = statistics.median(t[0] for t in timed[label])
                 backward_ms = statistics.median(t[1] for t in timed[label])
                 row[label] = {"ms": ms, "backward_ms": backward_ms, "tokens_per_s": tokens / (ms * 1e-3),
                               "rounds": [{"ms": t[0], "backward_ms": t[1]} for t in timed[label]]}
                 if args.profile:
                     row[label]["kernels"] = kernels = backward_kernels(model, args.batch, seq, args.input_ids,
-                                                                             args.zero_grad,
-                                                                             caller_thread=args.caller_thread)
+                                                                             args.zero_grad, caller_thread=caller)
                     print(f"  {label}: backward {backward_ms:.3f} ms, GPU kernels {kernels['gpu_ms']:.3f} ms in "
                           f"{kernels['launches']:.0f} launches; most: " + "; ".join(
                               f"{name[:60]} {ms:.3f} ms x{n:.0f}" for name, ms, n in kernels["top"]), flush=True)
             rows.append(row)
             print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(
                 f"{label} {row[label]['ms']:7.3f} ms, backward {row[label]['backward_ms']:7.3f}"
-                for label, _ in variants), flush=True)
+                for label, _, _ in variants), flush=True)
     write_results(args.json, rows=rows)
     return 0
 
