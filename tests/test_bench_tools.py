@@ -295,3 +295,43 @@ def test_accumulate_bench_times_a_call_three_ways():
     row = measure(64, 2)
     assert (row["seq"], row["batch"]) == (64, 2)
     assert all(0 < row[key] < 1e4 for key in ("us", "gpu_us", "graph_us"))
+
+
+def test_train_step_times_every_variant_on_each_thread_with_the_hosts_speed(monkeypatch, tmp_path):
+    """--backward-thread both: each variant timed on autograd's device thread and on the calling
+    thread, round after round, and each row carries the host's speed (Tensor.copy_ beside it)."""
+    import json
+
+    import cutebwd
+    from cutebwd.tools import train_step
+
+    calls = []
+
+    def step_ms(model, batch, seq, input_ids=False, zero_grad=False, caller_thread=False):
+        calls.append((model.name, caller_thread))
+        return (2.0, 1.0) if caller_thread else (3.0, 1.5)
+
+    class Model:
+        def __init__(self, name):
+            self.name = name
+
+        def __deepcopy__(self, memo):
+            return Model(self.name + "'")
+
+    monkeypatch.setattr(timing, "have_gpu", lambda tool: True)
+    monkeypatch.setattr(timing, "strict_compile", lambda: None)
+    monkeypatch.setattr(timing, "copy_host_us", lambda: 7.5)
+    monkeypatch.setattr(train_step, "one_layer", lambda *args, **kwargs: Model("eager"))
+    monkeypatch.setattr(train_step, "step_ms", step_ms)
+    monkeypatch.setattr(torch, "compile", lambda model: Model(model.name + " compiled"))
+    monkeypatch.setattr(cutebwd, "patch", lambda model, decoder_layers=False: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a GPU")
+    out = tmp_path / "rows.json"
+    assert train_step.main(["--model", "qwen3-4b", "--seq", "512", "--rounds", "2", "--backward-thread", "both",
+                            "--json", str(out)]) == 0
+    assert len(calls) == 2 * 4 * 2 and sum(caller for _, caller in calls) == 8
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["copy_host_us"] == 7.5
+    for label in ("eager", "torch.compile", "cutebwd.patch", "cutebwd.patch + torch.compile"):
+        assert row[label]["backward_ms"] == 1.5 and row[f"{label}, calling thread"]["backward_ms"] == 1.0
+        assert len(row[label]["rounds"]) == 2

@@ -7,7 +7,8 @@ H = 4096), us a call
   running ahead of the GPU);
 - graph replay: the calls captured in one CUDA graph.
 Input sets take turns as in tools.bench (timing.copies_to_escape_l2), so the rows come from DRAM,
-not from L2. Calls of up to 1024 tokens are one launch each (docs/design-embedding.md).
+not from L2. Calls of up to 1024 tokens are one launch each (docs/design-embedding.md). The host
+time of PyTorch's own Tensor.copy_ comes first: back-to-back calls bound by host time follow it.
 
     python -m cutebwd.tools.bench_accumulate [--sizes 128x1,256x1,512x1,256x2] [--json FILE]
 """
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
     if not timing.have_gpu("bench_accumulate"):
         return 0
     rows = []
+    # Calls bound by host time follow the host's speed: PyTorch's own one-launch call beside them.
+    copy_host = timing.copy_host_us()
+    print(f"host: Tensor.copy_ {copy_host:.1f} us a call")
     print(f"{'seq x batch':>12} {'back to back':>13} {'GPU alone':>10} {'graph':>8}  (us a call)")
     for seq, batch in sizes:
         timing.progress(f"[bench_accumulate] {seq} x {batch}")
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
         rows.append(row)
         graph = f"{row['graph_us']:8.2f}" if row["graph_us"] is not None else f"{'-':>8}"
         print(f"{f'{seq} x {batch}':>12} {row['us']:13.2f} {row['gpu_us']:10.2f} {graph}", flush=True)
-    timing.write_results(args.json, rows=rows)
+    timing.write_results(args.json, copy_host_us=copy_host, rows=rows)
     return 0
 
 

@@ -3,7 +3,9 @@ torch.compile of it, the same model after cutebwd.patch, and torch.compile of th
 (the fused layers' backward is a custom operator, so it compiles whole). Forward + backward of
 a one-layer text model fed input embeddings (the layer, its rotary tables and the final norm),
 bf16 random weights at a real model's widths: ms a step, ms of its backward alone (CUDA
-events around each backward call), and tokens per second in the JSON.
+events around each backward call), and tokens per second in the JSON; each row also gives the
+host time of PyTorch's own Tensor.copy_ measured just before it (`copy_host_us`), the host's speed
+that the host-bound steps follow.
 
     python -m cutebwd.tools.train_step [--model NAME ...] [--seq N ...] [--batch N] [--input-ids]
                                        [--decoder-layers] [--zero-grad] [--backward-thread WHERE]
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
     import torch
 
     import cutebwd
-    from cutebwd.tools.timing import have_gpu, progress, strict_compile, write_results
+    from cutebwd.tools.timing import copy_host_us, have_gpu, progress, strict_compile, write_results
 
     if not have_gpu("train_step"):
         return 0
@@ -215,8 +217,11 @@ def main(argv=None) -> int:
                          for label, model in variants for caller in callers)
         for seq in args.seq or [512, 2048]:
             tokens = args.batch * seq
+            # Where a step is bound by host time its figures follow the host's speed, which moves
+            # from one process, or minute, to the next: PyTorch's own one-launch call beside them.
             row = {"model": name, "batch": args.batch, "seq": seq, "input_ids": args.input_ids,
-                   "zero_grad": args.zero_grad, "backward_thread": args.backward_thread}
+                   "zero_grad": args.zero_grad, "backward_thread": args.backward_thread,
+                   "copy_host_us": copy_host_us()}
             timed = {label: [] for label, _, _ in variants}
             for round_ in range(args.rounds):
                 for label, model, caller in variants:
@@ -238,7 +243,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(
                 f"{label} {row[label]['ms']:7.3f} ms, backward {row[label]['backward_ms']:7.3f}"
-                for label, _, _ in variants), flush=True)
+                for label, _, _ in variants) + f"  (host: Tensor.copy_ {row['copy_host_us']:.1f} us a call)",
+                  flush=True)
     write_results(args.json, rows=rows)
     return 0
 
