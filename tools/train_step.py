@@ -243,8 +243,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{name:12s} {args.batch} x {seq:5d}  " + "  ".join(
                 f"{label} {row[label]['ms']:7.3f} ms, backward {row[label]['backward_ms']:7.3f}"
-                for label, _, _ in variants) + f"  (host: Tensor.copy_ {row['copy_host_us']:.1f} us a call)",
-                  flush=True)
+                for label, _, _ in variants), f" (host: Tensor.copy_ {row['copy_host_us']:.1f} us a call)", flush=True)
     write_results(args.json, rows=rows)
     return 0
 
