@@ -20,6 +20,20 @@ def test_table_shows_host_time_where_measured():
     assert "host us" in table and "12.5" in table
 
 
+def test_table_and_summary_carry_the_benchmarks_timing():
+    row = {"problem": "p", "seq_len": 128, "batch_size": 1, "options": {}, "impl": "ours", "ms": 0.02,
+           "bench_ms": 0.0075, "graph_ms": None, "host_us": None, "sol_ms": 0.001, "sol_fraction": 0.05,
+           "parity_ok": True}
+    other = dict(row, seq_len=256, bench_ms=0.0125)
+    baseline = dict(row, impl="zero-fill", bench_ms=None)
+    summary = bench.summarize([row, other, baseline])
+    ours = next(s for s in summary if s["impl"] == "ours")
+    assert ours["mean_bench_ms"] == pytest.approx(0.01)
+    assert "mean_bench_ms" not in next(s for s in summary if s["impl"] == "zero-fill")
+    table = bench.format_tables([row, other], summary)
+    assert "bench ms" in table and "0.0075" in table and "0.0100" in table
+
+
 def test_clock_summary_reads_median_clock_and_power_cap_share():
     samples = [(1980, 500.0, 0x0), (1500, 700.0, clocks.SW_POWER_CAP), (1200, 702.0, clocks.SW_POWER_CAP | 0x1),
                (1400, 698.0, 0x1)]  # 0x1: GPU idle, not a power reason

@@ -1,9 +1,11 @@
 """Benchmark on the GPU, in one run: the two ceilings (device copy bandwidth, bf16 cuBLAS
 matmul rate), then per problem and workload every implementation registered for it (the eager
 reference, torch.compile of it, and our kernels and peers as they land), each held to the
-correctness bar of semantics.md version 2 (tools/parity.py) before it is timed, with time,
-speed-of-light time and fraction of it;
-for inputs under 64 MB also a CUDA-graph replay time and the host's CPU time per call. Each
+correctness bar of semantics.md version 2 (tools/parity.py) before it is timed, with time
+(back-to-back Python calls: what a user's loop pays), the benchmark's own timing ("bench ms":
+L2 flushed before each call, the call's GPU span, median of 50), speed-of-light time and
+fraction of it; for inputs under 64 MB also a CUDA-graph replay time and the host's CPU time per
+call. Each
 timed row carries the SM clock and board power sampled while it ran (tools/clocks.py): under
 sustained load the H200 sits at its power cap, and a ratio of two rows means most when their
 clocks are known.
@@ -312,16 +314,19 @@ def bench_case(problem, seq, batch, options, impls, ceilings, seed, log):
         del outputs
         sample = clocks.sampled()
         ms = timing.time_ms(fn, arg_sets, sampler=sample)
+        bench_ms = timing.benchmark_ms(fn, arg_sets)
         small = in_bytes < GRAPH_MAX_INPUT_BYTES
         graph_ms = timing.graph_time_ms(fn, arg_sets) if small else None
         host_us = timing.host_us(fn, arg_sets) if small else None
         row = {"problem": problem.name, "seq_len": seq, "batch_size": batch, "options": options,
-               "impl": impl_name, "ms": ms, "graph_ms": graph_ms, "host_us": host_us, "sol_ms": sol_ms,
+               "impl": impl_name, "ms": ms, "bench_ms": bench_ms, "graph_ms": graph_ms, "host_us": host_us,
+               "sol_ms": sol_ms,
                "sol_fraction": sol_ms / ms, "bytes": nbytes, "flops": flops,
                "parity_ok": all(r.ok for r in reports),
                "parity": [r.line() for r in reports], **sample.summary()}
         rows.append(row)
-        log(f"  {impl_name:<14} {ms:9.4f} ms  SOL {sol_ms:8.4f} ms  {row['sol_fraction']:6.1%}"
+        log(f"  {impl_name:<14} {ms:9.4f} ms  (benchmark's timing {bench_ms:9.4f})  SOL {sol_ms:8.4f} ms"
+            f"  {row['sol_fraction']:6.1%}"
             f"  parity {'ok' if row['parity_ok'] else 'FAIL'}  {clocks.describe(sample.summary())}"
             f"  ({time.perf_counter() - start:.1f} s)")
         if not row["parity_ok"]:
@@ -347,14 +352,17 @@ def summarize(rows):
         if row["options"]:
             continue
         key = (row["problem"], row["impl"])
-        entry = summary.setdefault(key, {"ms": [], "sol_ms": [], "sm_mhz": [], "power_w": [], "parity_ok": True})
-        for name in ("ms", "sol_ms", "sm_mhz", "power_w"):
-            if name in row:
+        entry = summary.setdefault(key, {"ms": [], "bench_ms": [], "sol_ms": [], "sm_mhz": [], "power_w": [],
+                                         "parity_ok": True})
+        for name in ("ms", "bench_ms", "sol_ms", "sm_mhz", "power_w"):
+            if row.get(name) is not None:
                 entry[name].append(row[name])
         entry["parity_ok"] &= row["parity_ok"]
-    # the clock and power means only where every workload was sampled
+    # the clock and power means (and the benchmark's timing: baselines have none) only where every
+    # workload has them
     return [{"problem": p, "impl": i, "workloads": len(e["ms"]), "mean_ms": statistics.mean(e["ms"]),
              "mean_sol_ms": statistics.mean(e["sol_ms"]), "parity_ok": e["parity_ok"],
+             **({"mean_bench_ms": statistics.mean(e["bench_ms"])} if len(e["bench_ms"]) == len(e["ms"]) else {}),
              **({"mean_sm_mhz": statistics.mean(e["sm_mhz"]), "mean_power_w": statistics.mean(e["power_w"])}
                 if len(e["sm_mhz"]) == len(e["ms"]) else {})}
             for (p, i), e in summary.items()]
@@ -373,21 +381,23 @@ def bar_ratios(rows, bar):
 
 
 def format_tables(rows, summary) -> str:
-    lines = [f"{'problem':<32} {'seq x batch':>12} {'impl':<14} {'ms':>9} {'graph ms':>9} {'host us':>8} "
-             f"{'SOL ms':>9} {'of SOL':>7} {'MHz':>5} {'W':>4} parity"]
+    lines = [f"{'problem':<32} {'seq x batch':>12} {'impl':<14} {'ms':>9} {'bench ms':>9} {'graph ms':>9} "
+             f"{'host us':>8} {'SOL ms':>9} {'of SOL':>7} {'MHz':>5} {'W':>4} parity"]
     for r in rows:
+        bench_ms = f"{r['bench_ms']:9.4f}" if r.get("bench_ms") is not None else f"{'-':>9}"
         graph = f"{r['graph_ms']:9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
         host = f"{r['host_us']:8.1f}" if r.get("host_us") is not None else f"{'-':>8}"
         state = f"{r['sm_mhz']:5.0f} {r['power_w']:4.0f}" if "sm_mhz" in r else f"{'-':>5} {'-':>4}"
         extra = " " + ",".join(f"{k}={v}" for k, v in r["options"].items()) if r["options"] else ""
         lines.append(f"{r['problem']:<32} {str(r['seq_len']) + ' x ' + str(r['batch_size']):>12} "
-                     f"{r['impl']:<14} {r['ms']:9.4f} {graph} {host} {r['sol_ms']:9.4f} "
+                     f"{r['impl']:<14} {r['ms']:9.4f} {bench_ms} {graph} {host} {r['sol_ms']:9.4f} "
                      f"{r['sol_fraction']:7.1%} {state} {'ok' if r['parity_ok'] else 'FAIL'}{extra}")
-    lines += ["", f"{'problem':<32} {'impl':<14} {'mean ms':>9} {'mean SOL ms':>12} {'SOL/time':>9} "
-                  f"{'MHz':>5} {'W':>4} parity"]
+    lines += ["", f"{'problem':<32} {'impl':<14} {'mean ms':>9} {'bench ms':>9} {'mean SOL ms':>12} "
+                  f"{'SOL/time':>9} {'MHz':>5} {'W':>4} parity"]
     for s in summary:
         state = f"{s['mean_sm_mhz']:5.0f} {s['mean_power_w']:4.0f}" if "mean_sm_mhz" in s else f"{'-':>5} {'-':>4}"
-        lines.append(f"{s['problem']:<32} {s['impl']:<14} {s['mean_ms']:9.4f} {s['mean_sol_ms']:12.4f} "
+        bench_ms = f"{s['mean_bench_ms']:9.4f}" if "mean_bench_ms" in s else f"{'-':>9}"
+        lines.append(f"{s['problem']:<32} {s['impl']:<14} {s['mean_ms']:9.4f} {bench_ms} {s['mean_sol_ms']:12.4f} "
                      f"{s['mean_sol_ms'] / s['mean_ms']:9.1%} {state} {'ok' if s['parity_ok'] else 'FAIL'}")
     for entry in RATIO_BARS:
         ratios = bar_ratios(rows, entry)

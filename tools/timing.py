@@ -95,6 +95,29 @@ def gpu_time_ms(fn, arg_sets, *, calls: int = 40, repeats: int = 5) -> float:
     return statistics.median(behind_a_sleep() for _ in range(repeats))
 
 
+def benchmark_ms(fn, arg_sets, *, calls: int = 50, head_start_cycles: int = 400_000) -> float:
+    """The benchmark's own timing (semantics.md): the median over `calls` calls of fn(*args), each
+    run after L2 is flushed (a device memset of twice its size), from the call's start on the GPU
+    to its end, gaps between its kernels included. Each call is queued behind the flush and a
+    device sleep (~0.2 ms) on an idle stream, so its first kernel does not wait for the host
+    to launch it; events bracket the call (a little more than its kernels' span)."""
+    fn(*arg_sets[0])  # warm-up
+    flush = torch.empty(2 * torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size,
+                        dtype=torch.uint8, device="cuda")
+    times = []
+    for i in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(head_start_cycles)
+        flush.zero_()
+        start.record()
+        fn(*arg_sets[i % len(arg_sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def capture(call, warmup=None):
     """A CUDA graph of call(), made after warmup() (call() by default) ran on a side stream:
     what capture needs, lazy builds, allocations and per-stream workspaces made outside it."""
