@@ -97,7 +97,7 @@ def gpu_time_ms(fn, arg_sets, *, calls: int = 40, repeats: int = 5) -> float:
 
 def benchmark_ms(fn, arg_sets, *, calls: int = 50, head_start_cycles: int = 400_000) -> float:
     """The benchmark's own timing (semantics.md): the median over `calls` calls of fn(*args), each
-    run after L2 is flushed (a device memset of twice its size), from the call's start on the GPU
+    run after L2 is flushed (a buffer twice its size zeroed), from the call's start on the GPU
     to its end, gaps between its kernels included. Each call is queued behind the flush and a
     device sleep (~0.2 ms) on an idle stream, so its first kernel does not wait for the host
     to launch it; events bracket the call (a little more than its kernels' span)."""
