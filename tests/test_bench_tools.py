@@ -34,6 +34,16 @@ def test_table_and_summary_carry_the_benchmarks_timing():
     assert "bench ms" in table and "0.0075" in table and "0.0100" in table
 
 
+def test_call_spans_run_from_a_calls_first_gpu_activity_to_its_last():
+    lead = ["sleep", "fill"]  # each call queued behind a device sleep and the L2 flush
+    trace = [(0.0, 200.0, "sleep"), (200.0, 230.0, "fill"), (231.0, 240.0, "rows"), (239.0, 250.0, "sum"),
+             (300.0, 500.0, "sleep"), (500.0, 530.0, "fill"), (532.0, 541.0, "rows"),
+             (541.5, 545.0, "fill")]  # a call's own fill, named as the flush's: still the call's
+    assert timing.call_spans(list(reversed(trace)), lead) == [19.0, 13.0]
+    with pytest.raises(RuntimeError, match="the call's own GPU work"):  # a call that ran nothing
+        timing.call_spans(trace[:2] + trace[4:], lead)
+
+
 def test_clock_summary_reads_median_clock_and_power_cap_share():
     samples = [(1980, 500.0, 0x0), (1500, 700.0, clocks.SW_POWER_CAP), (1200, 702.0, clocks.SW_POWER_CAP | 0x1),
                (1400, 698.0, 0x1)]  # 0x1: GPU idle, not a power reason

@@ -97,25 +97,58 @@ def gpu_time_ms(fn, arg_sets, *, calls: int = 40, repeats: int = 5) -> float:
 
 def benchmark_ms(fn, arg_sets, *, calls: int = 50, head_start_cycles: int = 400_000) -> float:
     """The benchmark's own timing (semantics.md): the median over `calls` calls of fn(*args), each
-    run after L2 is flushed (a buffer twice its size zeroed), from the call's start on the GPU
-    to its end, gaps between its kernels included. Each call is queued behind the flush and a
-    device sleep (~0.2 ms) on an idle stream, so its first kernel does not wait for the host
-    to launch it; events bracket the call (a little more than its kernels' span)."""
+    run after L2 is flushed (a buffer twice its size zeroed), from the start of the call's first
+    GPU activity to the end of its last (kernels, memsets and copies, idle gaps between them
+    included), as CUPTI records them through torch.profiler. Each call is queued behind a device
+    sleep (~0.2 ms) and the flush on an idle stream, so its first kernel does not wait for the
+    host to launch it. CUDA events around the call would add their own latency to the span
+    (~1-2 us: most of a small call's excess over its kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
     fn(*arg_sets[0])  # warm-up
     flush = torch.empty(2 * torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size,
                         dtype=torch.uint8, device="cuda")
-    times = []
-    for i in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def flushed():
         torch.cuda.synchronize()
         torch.cuda._sleep(head_start_cycles)
         flush.zero_()
-        start.record()
-        fn(*arg_sets[i % len(arg_sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+    with profile(activities=[ProfilerActivity.CUDA]) as calibration:  # what the sleep and flush alone record
+        flushed()
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            flushed()
+            fn(*arg_sets[i % len(arg_sets)])
+        torch.cuda.synchronize()
+    spans = call_spans(_gpu_activities(prof), [name for _, _, name in sorted(_gpu_activities(calibration))])
+    if len(spans) != calls:
+        raise RuntimeError(f"benchmark_ms: {len(spans)} call spans in the trace of {calls} calls")
+    return statistics.median(spans) / 1e3
+
+
+def _gpu_activities(prof) -> list:
+    """(start, end, name) of every GPU activity (kernel, memset, copy) torch.profiler recorded, us."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def call_spans(activities, lead) -> list:
+    """Each call's span (its first activity's start to its last one's end, in the units given)
+    from a trace of (start, end, name) GPU activities where every call is queued behind the
+    activities named `lead` (the device sleep first, then the flush): the trace in start order,
+    cut at each sleep. A trace of another shape raises."""
+    ordered = sorted(activities)
+    cuts = [i for i, activity in enumerate(ordered) if activity[2] == lead[0]]
+    spans = []
+    for i, j in zip(cuts, cuts[1:] + [len(ordered)]):
+        names, call = [name for _, _, name in ordered[i:i + len(lead)]], ordered[i + len(lead):j]
+        if names != list(lead) or not call:
+            raise RuntimeError(f"benchmark_ms: expected {list(lead)} and then the call's own GPU work, got "
+                               f"{[name for _, _, name in ordered[i:j]]}")
+        spans.append(max(end for _, end, _ in call) - call[0][0])
+    return spans
 
 
 def capture(call, warmup=None):
