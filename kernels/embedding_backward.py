@@ -667,6 +667,8 @@ class _Entry:
         import torch
 
         self.device, self.hidden, self.accumulate, self.model = device, hidden, accumulate, model
+        self.device_index = device.index
+        self.splits = {}  # (tokens, vocab_size) -> _split's, for the calls that sort on chip
         self.norm_weight = runtime.cute_dtype(norm_weight_dtype)
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self.arch = runtime.device_arch(device.index)
@@ -852,26 +854,25 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
     SORT_ON_CHIP_MAX_VOCAB) in the row kernel; above, up to id_radix.MAX_TOKENS (vocabularies
     up to 2^24), our radix sort; otherwise PyTorch's stable sort (_Entry.sort).
     """
-    import torch
-
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into an existing table: pass out=(grad_embed_weight, grad_norm_weight)")
-    call = (grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate)
-    try:
-        entry = _calls[_call_key(*call)]
+    try:  # _call_key's key, inline: small calls are bound by host time
+        batch, seq, hidden = grad_output.shape
+        entry = _calls[(hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype, grad_output.get_device())]
     except KEY_ERRORS:
-        entry = _calls.first_call(*call)
-    errors.raise_pending(entry.device.index)
-    batch, seq, hidden = grad_output.shape
-    if check_ids not in CHECK_IDS:
+        entry = _calls.first_call(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate)
+        batch, seq, hidden = grad_output.shape
+    errors.raise_pending(entry.device_index)
+    if check_ids != "deferred" and check_ids != "now":
         raise ValueError(f"check_ids: expected one of {CHECK_IDS}, got {check_ids!r}")
     tokens = batch * seq
     own = out is None  # bad ids fill the call's own outputs with NaN, and leave a caller's alone
     if own:
+        import torch
+
         out = (torch.empty((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device),
                torch.empty(hidden, dtype=norm_weight.dtype, device=entry.device))
-    elif not (accumulate and type(out) is tuple and len(out) == 2 and isinstance(out[0], torch.Tensor)
-              and out[0].shape[:1] == (vocab_size,)):
+    elif not (accumulate and _table_rows(out) == vocab_size):
         # An accumulate call writes nothing before the FFI call, which checks dtypes, shapes,
         # strides, alignment and device itself (the table's row count is ours to check): there
         # the Python checks run only to explain a rejected call.
@@ -898,19 +899,32 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
     return out
 
 
+def _table_rows(out) -> int:
+    """The row count of out's table, where out is a pair whose first item has rows; else -1."""
+    try:
+        table, _ = out
+        return table.shape[0]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return -1
+
+
 def _launch(entry, tokens: int, grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size: int, table,
             grad_norm_weight, poison: int, model=(None, None, None)):
     """The index pass where the call's size needs one, then the row kernel's FFI call (with the
     fix-up); `model`: the model form's (residual_grad, embed_scale, padding id or -1)."""
     workspace, sorted_on_chip = entry.workspace.get()
-    ctas, grid, walker_rows = _split(tokens, vocab_size, entry.max_ctas, entry.accumulate)
     if tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB:
+        split = entry.splits.get((tokens, vocab_size))
+        if split is None:
+            split = entry.splits[(tokens, vocab_size)] = _split(tokens, vocab_size, entry.max_ctas, entry.accumulate)
+        ctas, grid, walker_rows = split
         if not input_ids.is_contiguous():  # the kernel reads the [b, s] ids flat
             input_ids = input_ids.contiguous()
         entry.run_sort_on_chip(grad_output, hidden_states, rstd, norm_weight, input_ids, sorted_on_chip,
                                entry.record, table, grad_norm_weight, workspace, ctas, grid, walker_rows, poison,
                                *model)
     else:
+        ctas, grid, walker_rows = _split(tokens, vocab_size, entry.max_ctas, entry.accumulate)
         sorted_ids, order, (marks, ranges, marked) = entry.sort(input_ids.reshape(tokens), vocab_size)
         try:
             (entry.run_early_fill if marked else entry.run)(
@@ -947,7 +961,7 @@ def embedding_norm_backward(grad_normed, input_ids, embeds, rstd, norm_weight, r
     if entry is None:
         entry = _model_entries[key] = _Entry(key[0], key[1], input_ids.dtype, norm_weight.dtype, embeds.device,
                                              model=True)
-    errors.raise_pending(entry.device.index)
+    errors.raise_pending(entry.device_index)
     tokens = input_ids.numel()
     if tokens == 0:
         if not accumulate:

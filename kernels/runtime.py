@@ -131,7 +131,7 @@ class PerStream:
     """
 
     def __init__(self, device):
-        self.device = device
+        self.device, self.device_index = device, device.index
         self._buffers = {}  # raw CUDA stream handle -> what _new made
         self._captured = (None, None)  # ((stream, capture sequence), its set) of the latest capture
 
@@ -144,10 +144,11 @@ class PerStream:
     def get(self, *need):
         import torch
 
-        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         # CUDA never captures the legacy default stream (raw handle 0), so an eager call there
-        # skips the capture query (~0.3-0.5 us of a ~1.3 us lookup; docs/design-host.md).
-        if stream and torch.cuda.is_current_stream_capturing():
+        # skips the capture query (~0.3-0.5 us of a ~1.3 us lookup; docs/design-host.md);
+        # torch.cuda.is_current_stream_capturing's own call, without its Python frame.
+        if stream and torch._C._cuda_isCurrentStreamCapturing():
             return self._for_capture(stream, *need)
         buffer = self._buffers.get(stream)
         if buffer is None or not self._fits(buffer, *need):

@@ -28,7 +28,7 @@ def streams(monkeypatch):
         return state["capturing"]
 
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: state["stream"], raising=False)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", capturing, raising=False)
     return state
 
 
