@@ -900,7 +900,10 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
 
 
 def _table_rows(out) -> int:
-    """The row count of out's table, where out is a pair whose first item has rows; else -1."""
+    """The row count of out's table, where out is a tuple of two whose first item has rows; else
+    -1 (_check_out then explains, or takes a list as that tuple)."""
+    if type(out) is not tuple:
+        return -1
     try:
         table, _ = out
         return table.shape[0]
