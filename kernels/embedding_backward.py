@@ -856,14 +856,13 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
     """
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into an existing table: pass out=(grad_embed_weight, grad_norm_weight)")
-    try:  # _call_key's key, inline: small calls are bound by host time
-        batch, seq, hidden = grad_output.shape
-        entry = _calls[(hidden, bool(accumulate), input_ids.dtype, norm_weight.dtype, grad_output.get_device())]
+    try:
+        entry = _calls[_call_key(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate)]
     except KEY_ERRORS:
         entry = _calls.first_call(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size, accumulate)
-        batch, seq, hidden = grad_output.shape
     errors.raise_pending(entry.device_index)
-    if check_ids != "deferred" and check_ids != "now":
+    batch, seq, hidden = grad_output.shape
+    if check_ids not in CHECK_IDS:
         raise ValueError(f"check_ids: expected one of {CHECK_IDS}, got {check_ids!r}")
     tokens = batch * seq
     own = out is None  # bad ids fill the call's own outputs with NaN, and leave a caller's alone
