@@ -893,8 +893,10 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
         _check_out(out, hidden_states, norm_weight, vocab_size)
         raise
     if check_ids == "now":
+        import torch
+
         torch.cuda.current_stream(entry.device).synchronize()
-        errors.raise_pending(entry.device.index)
+        errors.raise_pending(entry.device_index)
     return out
 
 
