@@ -27,7 +27,6 @@ import typing
 import torch
 import torch.nn.functional as F
 
-from .attention import attention_backward, attention_forward
 from .gated_mlp import gated_mlp_forward, gated_mlp_grads, linear_backward
 from .modules import norm_backward, qkv_norm_backward, qkv_norm_forward, rms_norm_forward, weight_nodes
 from .rotary import rotary_backward, rotate
@@ -56,7 +55,9 @@ class _GemmaLayerFunction(torch.autograd.Function):
         query, key, value, qkv_activations = qkv_norm_forward(normed, w.q, w.k, w.v, w.q_norm, w.k_norm, q_heads,
                                                               kv_heads, qk_eps)
         query, key = rotate(query, key, cos.unsqueeze(1), sin.unsqueeze(1))
-        attended, attention = attention_forward(attend, query, key, value)
+        with torch.enable_grad():  # the attention's own graph, which the backward runs backward
+            leaves = tuple(t.detach().requires_grad_() for t in (query, key, value))
+            attended = attend(*leaves)
         projected = F.linear(attended, w.o)
         post_attn, rstd1, scale1 = rms_norm_forward(projected, w.post_attn_ln, eps, True)
         middle = residual + post_attn
@@ -65,7 +66,7 @@ class _GemmaLayerFunction(torch.autograd.Function):
         post_ff, rstd3, scale3 = rms_norm_forward(ffn_output, w.post_ff_ln, eps, True)
         ctx.save_for_backward(cos, sin, *qkv_activations, projected, rstd1, scale1, middle, rstd2, scale2, *mlp_saved,
                               ffn_output, rstd3, scale3, *w)
-        ctx.attention = attended, attention
+        ctx.attention = attended, leaves
         ctx.qk_eps = qk_eps
         return middle + post_ff
 
@@ -87,9 +88,9 @@ class _GemmaLayerFunction(torch.autograd.Function):
         grad_middle.add_(grad_output)  # the second residual add
         grad_projected, grad_post_attn = norm_backward(grad_middle, projected, rstd1, w.post_attn_ln, scale1,
                                                        nodes.post_attn_ln)
-        attended, attention = ctx.attention
+        attended, leaves = ctx.attention
         grad_attended, grad_o = linear_backward(grad_projected, attended.detach(), w.o, nodes.o)
-        grad_query, grad_key, grad_value = attention_backward(attended, attention, grad_attended)
+        grad_query, grad_key, grad_value = torch.autograd.grad(attended, leaves, grad_attended)
         grad_query, grad_key = rotary_backward(grad_query, grad_key, cos, sin)
         grad_normed, grad_q, grad_k, grad_v, grad_q_norm, grad_k_norm = qkv_norm_backward(
             grad_query, grad_key, grad_value, qkv_activations, (w.q, w.k, w.v, w.q_norm, w.k_norm), ctx.qk_eps,

@@ -57,7 +57,6 @@ import types
 
 import torch
 
-from .attention import FlashAttention, flash_applies
 from .embedding_norm import embedding_norm
 from .gated_mlp import gated_mlp
 from .rotary import apply_rotary_pos_emb
@@ -354,9 +353,6 @@ def _route_past_input_norm(layer, result: Patch, run_layer):
     signature = inspect.signature(original)
     attention = layer.self_attn
     functions, eager = _attention_functions(attention)  # once: the lookup is on every call's path
-    sdpa = _sdpa_function(functions)
-    gqa = getattr(attention, "num_key_value_groups", 1) > 1
-    checked, refused = set(), []  # shapes on which flash gave the model's own output bitwise; any on which not
     # Mistral's attention reads its window from the config; Qwen3's and Gemma3's keep their own
     sliding_window = getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
     passed_on = ("self", "hidden_states", "attention_mask", "position_embeddings", "cache", "past_key_values",
@@ -385,49 +381,10 @@ def _route_past_input_norm(layer, result: Patch, run_layer):
                 sliding_window=sliding_window, **extra)
             return output.reshape(*rows, -1).contiguous()
 
-        if (sdpa is not None and attention_mask is None and (cache is None or fresh) and not refused
-                and extra.keys() <= FLASH_EXTRAS and getattr(attention, "is_causal", True)
-                and _attention_function(attention, functions, eager) is sdpa):
-            def flash(query, key, value):
-                """The model's sdpa attention as its flash backend's op called directly
-                (attention.FlashAttention), or None where sdpa would run anything else. Its
-                output is held to the model's own, bitwise, on each shape's first call."""
-                if key.shape[2] != query.shape[2] or not flash_applies(query, key, value, attention.scaling, gqa):
-                    return None
-                direct = FlashAttention(query, key, value, attention.scaling)
-                shapes = (query.shape, key.shape, query.dtype, query.device)
-                if shapes not in checked:
-                    if query.is_cuda and torch.cuda.is_current_stream_capturing():
-                        return None  # the check reads the result on the host: first calls run eagerly
-                    own, _ = sdpa(attention, query, key, value, None, dropout=0.0, scaling=attention.scaling,
-                                  sliding_window=sliding_window, **extra)
-                    if not torch.equal(direct.rows(), own.reshape(*rows, -1)):
-                        refused.append(shapes)
-                        return None
-                    checked.add(shapes)
-                if fresh:
-                    cache.update(key.detach(), value.detach(), attention.layer_idx)
-                return direct
-
-            attend.flash = flash
         return run_layer(self, hidden_states, self.input_layernorm(hidden_states), cos, sin, attend)
 
     layer.forward = types.MethodType(forward, layer)
     result._restore.append(layer)
-
-
-# What a layer may hand its attention besides the tensors where the flash path runs it: arguments
-# transformers' sdpa attention ignores.
-FLASH_EXTRAS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "output_hidden_states",
-                          "return_dict"})
-
-
-def _sdpa_function(functions):
-    """transformers' sdpa attention function from its registry, or None."""
-    try:
-        return functions["sdpa"]
-    except (KeyError, TypeError):
-        return None
 
 
 def _empty_dynamic_cache(cache, layer_idx: int) -> bool:

@@ -22,7 +22,6 @@ import typing
 import torch
 import torch.nn.functional as F
 
-from .attention import attention_backward, attention_forward
 from .gated_mlp import gated_mlp_forward, gated_mlp_grads, linear_backward, projections_backward
 from .modules import norm_backward, rms_norm_forward, weight_nodes
 from .rotary import rotary_backward, rotate
@@ -61,12 +60,14 @@ class _LlamaLayerFunction(torch.autograd.Function):
         key, k_saved = heads(w.k, w.k_norm)
         value, _ = heads(w.v, None)
         query, key = rotate(query, key, cos.unsqueeze(1), sin.unsqueeze(1))
-        attended, attention = attention_forward(attend, query, key, value)
+        with torch.enable_grad():  # the attention's own graph, which the backward runs backward
+            leaves = tuple(t.detach().requires_grad_() for t in (query, key, value))
+            attended = attend(*leaves)
         middle = residual + F.linear(attended, w.o)
         ffn_input, rstd, _ = rms_norm_forward(middle, w.post_attn_ln, eps, False)
         ffn_output, mlp_saved = gated_mlp_forward(ffn_input, w.gate, w.up, w.down, activation)
         ctx.save_for_backward(normed, cos, sin, *q_saved, *k_saved, middle, rstd, *mlp_saved, *w)
-        ctx.attention = attended, attention
+        ctx.attention = attended, leaves
         ctx.activation = activation
         return middle + ffn_output
 
@@ -81,9 +82,9 @@ class _LlamaLayerFunction(torch.autograd.Function):
         grad_middle, grad_post_attn = norm_backward(grad_ffn_input, middle, rstd, w.post_attn_ln, None,
                                                     nodes.post_attn_ln)
         grad_middle.add_(grad_output)  # the second residual add
-        attended, attention = ctx.attention
+        attended, leaves = ctx.attention
         grad_attended, grad_o = linear_backward(grad_middle, attended.detach(), w.o, nodes.o)
-        grad_query, grad_key, grad_value = attention_backward(attended, attention, grad_attended)
+        grad_query, grad_key, grad_value = torch.autograd.grad(attended, leaves, grad_attended)
         # laid out [b, s, heads, d]: the projections' rows, read below without a copy
         grad_query, grad_key = rotary_backward(grad_query, grad_key, cos, sin, token_major=True)
         # back to the projections' [b, s, heads, d] rows, through the head norms where there are

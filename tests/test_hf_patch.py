@@ -192,38 +192,6 @@ def test_layers_run_whole_with_the_models_attention_and_cache(family, attention,
         torch.testing.assert_close(patched(input_ids=ids).logits, out.logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family,device", [
-    ("qwen3", "cpu"), ("mistral", "cpu"), ("gemma3", "cpu"),
-    pytest.param("qwen3", "cuda", marks=pytest.mark.gpu), pytest.param("mistral", "cuda", marks=pytest.mark.gpu)])
-def test_sdpa_flash_attention_runs_without_a_nested_autograd_pass(family, device, monkeypatch):
-    """Where the model's attention is sdpa with no mask, the layer calls the flash backend's ops
-    directly (once a layer call), with the nested autograd pass's loss and gradients bitwise;
-    Gemma3 hands its attention a mask, so its layers keep the nested pass."""
-    from cutebwd.kernels import hf_patch
-
-    make_model = {"gemma3": _gemma3, "qwen3": _qwen3, "mistral": _mistral}[family]
-    patched = make_model(attn_implementation="sdpa").to(device, torch.bfloat16)
-    nested = copy.deepcopy(patched)
-    cutebwd.patch(patched)
-    ids = torch.randint(0, patched.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
-    made = []
-
-    class Counted(hf_patch.FlashAttention):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr(hf_patch, "FlashAttention", Counted)
-    loss, got = _step(patched, ids)
-    assert len(made) == (0 if family == "gemma3" else patched.config.num_hidden_layers)
-    monkeypatch.setattr(hf_patch, "flash_applies", lambda *args: False)  # the nested pass everywhere
-    cutebwd.patch(nested)
-    nested_loss, want = _step(nested, ids)
-    assert torch.equal(loss, nested_loss) and set(got) == set(want)
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
-
-
 # (make_model, patch's keywords, dims, parameters added into in place): Mistral's layers whole
 # (seven projections); Gemma3's layers past their input norm (o_proj, the MLP's three, three norms)
 ACCUMULATING = {
