@@ -854,6 +854,8 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
     SORT_ON_CHIP_MAX_VOCAB) in the row kernel; above, up to id_radix.MAX_TOKENS (vocabularies
     up to 2^24), our radix sort; otherwise PyTorch's stable sort (_Entry.sort).
     """
+    import torch
+
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into an existing table: pass out=(grad_embed_weight, grad_norm_weight)")
     try:
@@ -867,8 +869,6 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
     tokens = batch * seq
     own = out is None  # bad ids fill the call's own outputs with NaN, and leave a caller's alone
     if own:
-        import torch
-
         out = (torch.empty((vocab_size, hidden), dtype=torch.bfloat16, device=entry.device),
                torch.empty(hidden, dtype=norm_weight.dtype, device=entry.device))
     elif not (accumulate and _table_rows(out) == vocab_size):
@@ -893,8 +893,6 @@ def embedding_rmsnorm_backward(grad_output, input_ids, hidden_states, rstd, norm
         _check_out(out, hidden_states, norm_weight, vocab_size)
         raise
     if check_ids == "now":
-        import torch
-
         torch.cuda.current_stream(entry.device).synchronize()
         errors.raise_pending(entry.device_index)
     return out
