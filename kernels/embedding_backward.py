@@ -668,7 +668,6 @@ class _Entry:
 
         self.device, self.hidden, self.accumulate, self.model = device, hidden, accumulate, model
         self.device_index = device.index
-        self.splits = {}  # (tokens, vocab_size) -> _split's, for the calls that sort on chip
         self.norm_weight = runtime.cute_dtype(norm_weight_dtype)
         self.max_ctas = CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self.arch = runtime.device_arch(device.index)
@@ -799,6 +798,7 @@ WALKER_FILL_SHARE = 0.8
 FILL_WAVES = 4
 
 
+@functools.lru_cache(maxsize=1024)  # on every call's host path; a pure function of ints
 def _split(tokens: int, vocab_size: int, max_ctas: int, accumulate: bool):
     """(walking CTAs, grid, walker_rows) of a call (EmbeddingRmsNormBackward.kernel): an
     accumulating call's grid is its walking CTAs (up to SMALL_CALL_TOKENS tokens one an SM); a fresh
@@ -915,18 +915,14 @@ def _launch(entry, tokens: int, grad_output, input_ids, hidden_states, rstd, nor
     """The index pass where the call's size needs one, then the row kernel's FFI call (with the
     fix-up); `model`: the model form's (residual_grad, embed_scale, padding id or -1)."""
     workspace, sorted_on_chip = entry.workspace.get()
+    ctas, grid, walker_rows = _split(tokens, vocab_size, entry.max_ctas, entry.accumulate)
     if tokens <= SORT_ON_CHIP_MAX_TOKENS and vocab_size <= SORT_ON_CHIP_MAX_VOCAB:
-        split = entry.splits.get((tokens, vocab_size))
-        if split is None:
-            split = entry.splits[(tokens, vocab_size)] = _split(tokens, vocab_size, entry.max_ctas, entry.accumulate)
-        ctas, grid, walker_rows = split
         if not input_ids.is_contiguous():  # the kernel reads the [b, s] ids flat
             input_ids = input_ids.contiguous()
         entry.run_sort_on_chip(grad_output, hidden_states, rstd, norm_weight, input_ids, sorted_on_chip,
                                entry.record, table, grad_norm_weight, workspace, ctas, grid, walker_rows, poison,
                                *model)
     else:
-        ctas, grid, walker_rows = _split(tokens, vocab_size, entry.max_ctas, entry.accumulate)
         sorted_ids, order, (marks, ranges, marked) = entry.sort(input_ids.reshape(tokens), vocab_size)
         try:
             (entry.run_early_fill if marked else entry.run)(
