@@ -22,7 +22,7 @@ The ids are cut into chunks of CHUNK tokens, one CTA each, in every kernel:
 With `mark` (a fresh table's call) `counts` also sets a bit per id in `marks` (the rows the call
 touches) and each CTA of `counts` and of the high pass counts itself done there, so the row
 kernel's CTAs fill untouched rows while the sort runs and stop filling to walk once it has
-ended (embedding_backward.py). The fix-up zeroes `marks` for the next call.
+ended (embedding_row_kernel.py). The fix-up zeroes `marks` for the next call.
 
 Ranking within a chunk: each warp takes 128 consecutive tokens in four rounds of 32 lanes;
 match.any finds the lanes of a round with the same digit, a per-warp count per digit in

@@ -1,5 +1,5 @@
 """The embedding backward's fresh table, written whole by the row kernel's CTAs (see
-embedding_backward.py): each CTA's share of the rows, which of them an id touches (a bit a row
+embedding_row_kernel.py): each CTA's share of the rows, which of them an id touches (a bit a row
 in shared memory), and the fill of the others with zeros (or NaN where bad ids meet the call's
 own table). docs/design-embedding.md has the measurements behind each choice.
 

@@ -102,7 +102,7 @@ def test_bitwise_repeatable_with_heavy_duplication():
 def test_finish_left_to_the_last_cta_gives_the_same_bits(monkeypatch, tokens, same_ids):
     """The one-launch accumulate build with a zero wait: every CTA but the last to arrive leaves
     its finishing share (as where the grid is not co-resident), and the last does them all."""
-    from cutebwd.kernels import embedding_backward as op
+    from cutebwd.kernels import embedding_backward as op, embedding_row_kernel
 
     inputs = PROBLEM.make_inputs(1, tokens, device="cuda", seed=6, same_ids=same_ids)
     table = torch.randn(65536, 4096, device="cuda").bfloat16()
@@ -113,7 +113,7 @@ def test_finish_left_to_the_last_cta_gives_the_same_bits(monkeypatch, tokens, sa
         return out
 
     want = accumulate()
-    monkeypatch.setattr(op, "SETTLE_TIMEOUT_CYCLES", 0)
+    monkeypatch.setattr(embedding_row_kernel, "SETTLE_TIMEOUT_CYCLES", 0)
     monkeypatch.setattr(op, "_calls", op.CallCache(op._call_key, op._check_call, op._new_entry))
     for _ in range(3):
         got = accumulate()

@@ -18,8 +18,8 @@ from typing import Callable
 
 from cutlass import BFloat16, Float32, Int64
 
-from ..kernels import (decoder_layer_backward, embedding_backward, gemm, id_radix, padded_rows,
-                       qkv_qknorm_backward, rmsnorm_backward, row_rstd)
+from ..kernels import (decoder_layer_backward, embedding_backward, embedding_row_kernel, gemm, id_radix,
+                       padded_rows, qkv_qknorm_backward, rmsnorm_backward, row_rstd)
 from ..layouts.gpus import Gpu
 from .gpus import GPUS
 from ..references import decoder_layer, embedding_rmsnorm, fused_residual_rmsnorm, qkv_qknorm
@@ -111,11 +111,11 @@ def embedding_rmsnorm_builds(batch: int, seq: int, dims=None):
     expects = embedding_backward.AUDIT_EXPECTS
     if tokens <= embedding_backward.SORT_ON_CHIP_MAX_TOKENS and vocab <= embedding_backward.SORT_ON_CHIP_MAX_VOCAB:
         yield Build(f"embedding_rmsnorm_backward[H={hidden},norm_weight bf16,fresh,ids sorted on chip]",
-                    embedding_backward._build, (hidden, False, BFloat16), (("ids_dtype", Int64),), expects)
+                    embedding_row_kernel.build, (hidden, False, BFloat16), (("ids_dtype", Int64),), expects)
     elif tokens <= id_radix.MAX_TOKENS and vocab <= id_radix.MAX_VOCAB:
         yield Build("embedding_rmsnorm_backward ids radix sort", id_radix.build, (Int64,), (), id_radix.AUDIT_EXPECTS)
         yield Build(f"embedding_rmsnorm_backward[H={hidden},norm_weight bf16,fresh]",
-                    embedding_backward._build, (hidden, False, BFloat16), (), expects)
+                    embedding_row_kernel.build, (hidden, False, BFloat16), (), expects)
     else:
         raise ValueError(f"087 at {batch} x {seq}, vocabulary {vocab}: a path the audit does not list")
 
