@@ -288,19 +288,21 @@ def test_056_cublas_baseline_is_the_layers_fourteen_products():
 
 
 TOOLS_WITH_A_COMMAND_LINE = ("audit", "bench", "bench_accumulate", "bench_epilogue", "bench_gemm", "bench_grouped",
-                             "compile_cache", "host_cost", "main", "parity", "sanitize", "tune", "train_step")
+                             "clocks", "compile_cache", "host_cost", "main", "parity", "sanitize", "tune", "train_step")
 
 
 @pytest.mark.parametrize("tool", TOOLS_WITH_A_COMMAND_LINE)
 def test_every_tool_answers_help_with_its_usage(tool):
-    """--help prints the tool's own usage and exits 0, on a machine with no GPU."""
+    """--help prints the tool's own usage, naming the command that runs it, and exits 0, on a
+    machine with no GPU."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-m", f"cutebwd.tools.{tool}", "--help"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage:") and "--help" in done.stdout, done.stdout[:300]
+    assert done.stdout.startswith(f"usage: python -m cutebwd.tools.{tool} ") and "--help" in done.stdout, \
+        done.stdout[:300]
 
 
 def test_accumulate_bench_reads_its_sizes():

@@ -414,7 +414,7 @@ def format_tables(rows, summary) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--problem", action="append", choices=sorted(PROBLEMS), help="default: all")
     parser.add_argument("--impl", action="append", help="implementation names (default: all registered)")
     parser.add_argument("--json", default="bench.json")

@@ -125,7 +125,7 @@ def format_table(rows, summary) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.bench_gemm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values")
     parser.add_argument("--json", default="bench-gemm.json")
     parser.add_argument("--seed", type=int, default=0)

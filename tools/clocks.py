@@ -170,7 +170,8 @@ def sampled(cuda_index: int | None = None) -> Window:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Print 'time MHz W reasons' lines for one GPU until stopped.")
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.clocks",
+                                     description="Print 'time MHz W reasons' lines for one GPU until stopped.")
     parser.add_argument("--uuid")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--period", type=float, default=PERIOD_S)

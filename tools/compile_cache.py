@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from cutebwd.kernels import disk_cache
     from cutebwd.kernels.runtime import ARCHES
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.compile_cache", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="sm_90a", choices=ARCHES)
     parser.add_argument("--only", help="only builds whose name contains this")
     parser.add_argument("--times", action="store_true", help="cold and warm times against a fresh cache")

@@ -69,7 +69,7 @@ def measure() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.host_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not timing.have_gpu("host_cost"):

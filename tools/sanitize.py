@@ -264,7 +264,7 @@ def find_sanitizer() -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.sanitize", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # the process under a tool

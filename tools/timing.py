@@ -294,7 +294,7 @@ def token_bench(tool: str, description: str, argv, default_tokens: str, bench_ro
     import datetime
     import json
 
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=f"python -m cutebwd.tools.{tool}", description=description)
     parser.add_argument("--tokens", default=default_tokens, help="comma-separated T values")
     parser.add_argument("--json", default=f"{tool.replace('_', '-')}.json")
     parser.add_argument("--seed", type=int, default=0)

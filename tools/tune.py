@@ -86,7 +86,7 @@ def token_counts(spec: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="128,512,2048,8192",
                         help="comma-separated T values, or 'workloads': those of 051's and 056's workloads")
     parser.add_argument("--only", default="", help="only products whose name contains this")
