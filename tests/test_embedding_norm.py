@@ -1,6 +1,8 @@
 """embedding_norm: a model's embedding lookup and first RMSNorm as one autograd function. Its
 forward is transformers' arithmetic (bitwise); its backward, against float64 autograd of the same
 forward: on CPU the kernels' PyTorch reference, on the GPU the embedding backward's model form."""
+import gc
+
 import pytest
 import torch
 
@@ -186,6 +188,7 @@ def test_distributed_data_parallel_reduces_the_summed_table(tmp_path):
     for ids in batches:
         plain(ids).backward()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    wrapped = None
     try:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         with wrapped.no_sync():
@@ -193,6 +196,11 @@ def test_distributed_data_parallel_reduces_the_summed_table(tmp_path):
                 wrapped(ids).backward()
         wrapped(batches[2]).backward()
     finally:
+        # The wrapper goes first, while the group is registered: freed after it, its reducer would
+        # drop the group's last reference, whose destructor joins gloo's threads holding the GIL
+        # that one of them may be waiting for (a hang seen once in CI).
+        del wrapped
+        gc.collect()
         dist.destroy_process_group()
     assert torch.equal(model.weight.grad, plain.weight.grad)
     assert torch.equal(model.norm_weight.grad, plain.norm_weight.grad)
