@@ -27,9 +27,10 @@ check_ids="now", which synchronizes.
 The row kernel (embedding_row_kernel.py) walks the sorted positions in contiguous ranges, one
 per CTA, adds each token's dx into its segment's fp32 sum and writes a table row once per id; a
 segment cut by a range boundary is finished by the fix-up (segment_fixup.py; in the one-launch
-build, by the row kernel's own grid), which also sums the weight gradient in a fixed order. A fresh table is written whole by the row kernel, each row
-once (no fill beforehand). This module holds the op: the checks, the call cache, the index pass,
-the work split (_split) and the launches.
+build, by the row kernel's own grid), which also sums the weight gradient in a fixed order. A
+fresh table is written whole by the row kernel, each row once (no fill beforehand). This module
+holds the op: the checks, the call cache, the index pass, the work split (_split) and the
+launches.
 """
 from __future__ import annotations
 
