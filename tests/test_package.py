@@ -23,6 +23,19 @@ def test_only_cutebwd_is_installed_at_the_top():
     assert all(p == "cutebwd" or p.startswith("cutebwd.") for p in setuptools["packages"])
 
 
+def test_every_folder_the_package_reads_is_listed():
+    """A folder of code or data left out of `packages` is missing from a non-editable install
+    (setuptools warns "package would be ignored" and drops it)."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).parents[1]
+    with open(root / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    for top in ("kernels", "layouts", "references", "tools"):
+        for folder in [root / top, *(p for p in (root / top).rglob("*") if p.is_dir())]:
+            if folder.name != "__pycache__" and any(f.suffix in (".py", ".json") for f in folder.iterdir()):
+                assert "cutebwd." + ".".join(folder.relative_to(root).parts) in listed, folder
+
+
 def test_the_checkouts_folders_are_not_top_level_modules_under_the_tools():
     """Run at the checkout's root (`python -m`, `-c`: the working directory on sys.path), the
     tools and tests leave `kernels` to Hugging Face's package, not this checkout's folder."""
