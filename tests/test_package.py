@@ -14,11 +14,16 @@ def test_subpackages_live_under_cutebwd():
         assert importlib.import_module(f"cutebwd.{sub}").__name__ == f"cutebwd.{sub}"
 
 
-def test_only_cutebwd_is_installed_at_the_top():
-    """Hugging Face's `kernels` owns that top-level name; we install nothing beside `cutebwd`."""
+def _setuptools_table() -> dict:
+    """pyproject.toml's [tool.setuptools]."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the package supports 3.10
     with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
-        setuptools = tomllib.load(f)["tool"]["setuptools"]
+        return tomllib.load(f)["tool"]["setuptools"]
+
+
+def test_only_cutebwd_is_installed_at_the_top():
+    """Hugging Face's `kernels` owns that top-level name; we install nothing beside `cutebwd`."""
+    setuptools = _setuptools_table()
     assert setuptools["package-dir"] == {"cutebwd": "."}
     assert all(p == "cutebwd" or p.startswith("cutebwd.") for p in setuptools["packages"])
 
@@ -26,10 +31,8 @@ def test_only_cutebwd_is_installed_at_the_top():
 def test_every_folder_the_package_reads_is_listed():
     """A folder of code or data left out of `packages` is missing from a non-editable install
     (setuptools warns "package would be ignored" and drops it)."""
-    tomllib = pytest.importorskip("tomllib")
+    listed = set(_setuptools_table()["packages"])
     root = Path(__file__).parents[1]
-    with open(root / "pyproject.toml", "rb") as f:
-        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
     for top in ("kernels", "layouts", "references", "tools"):
         for folder in [root / top, *(p for p in (root / top).rglob("*") if p.is_dir())]:
             if folder.name != "__pycache__" and any(f.suffix in (".py", ".json") for f in folder.iterdir()):
