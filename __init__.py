@@ -41,12 +41,13 @@ import, and `cutebwd.references` needs none of it):
 Subpackages: kernels (device code), layouts (tiling), references (plain PyTorch, the
 contract), tools (audit, bench, parity, timing).
 """
-import importlib
-from importlib.metadata import PackageNotFoundError, version
+# private names: dir(cutebwd) lists the ops and the subpackages, nothing borrowed
+import importlib as _importlib
+from importlib import metadata as _metadata
 
 try:
-    __version__ = version("cutebwd")
-except PackageNotFoundError:  # imported from a source tree that is not installed
+    __version__ = _metadata.version("cutebwd")
+except _metadata.PackageNotFoundError:  # imported from a source tree that is not installed
     __version__ = "0+unknown"
 
 # public op -> module that defines it
@@ -76,5 +77,5 @@ def __dir__():
 
 def __getattr__(name):
     if name in _OPS:
-        return getattr(importlib.import_module(_OPS[name]), name)
+        return getattr(_importlib.import_module(_OPS[name]), name)
     raise AttributeError(f"module 'cutebwd' has no attribute {name!r}")

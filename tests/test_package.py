@@ -59,6 +59,13 @@ def test_dir_lists_the_ops_and_a_version_exists():
     assert isinstance(cutebwd.__version__, str) and cutebwd.__version__
 
 
+def test_the_namespace_holds_nothing_borrowed():
+    """Public names are the ops and the subpackages: no helper the package imported for itself
+    (`cutebwd.version` would read as ours)."""
+    public = {name for name in dir(cutebwd) if not name.startswith("_")}
+    assert public - set(cutebwd.__all__) <= {"kernels", "layouts", "references", "tools"}, public
+
+
 def test_no_error_recorded_means_nothing_to_raise():
     # Without a record (no op has run on a device) every op's entry check is a dict lookup.
     from cutebwd.kernels import errors
