@@ -88,6 +88,8 @@ def check_errors(device=None) -> None:
         indices = sorted(_records)
     else:
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.type != "cuda":  # records are kept per CUDA device; another type would check the current one
+            raise ValueError(f"check_errors: device: expected a CUDA device, got {device}")
         indices = [torch.cuda.current_device() if device.index is None else device.index]
     for index in indices:
         torch.cuda.synchronize(index)

@@ -73,3 +73,8 @@ def test_no_error_recorded_means_nothing_to_raise():
     if not errors._records:
         errors.raise_pending(0)
     assert callable(cutebwd.check_errors) and "check_errors" in dir(cutebwd)
+
+
+def test_check_errors_names_a_device_that_is_not_cuda():
+    with pytest.raises(ValueError, match="expected a CUDA device, got cpu"):
+        cutebwd.check_errors("cpu")
