@@ -66,7 +66,7 @@ def test_outputs_are_bitwise_repeatable():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq,batch", [(449, 16), (256, 32)])  # the two largest: a padded P copy, and T = 8192
-def test_extra_memory_within_the_bar(seq, batch):
+def test_extra_memory_within_its_limit(seq, batch):
     """A call's device memory beyond its inputs and outputs <= 110% of the outputs: the layer
     frees its large intermediates as it goes instead of holding them all."""
     inputs = PROBLEM.make_inputs(batch, seq, device="cuda", seed=3)

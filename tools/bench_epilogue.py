@@ -65,7 +65,7 @@ def bench_tokens(t, generator, log):
     timed = {**variants, "ours plain": lambda: matmul_nt(go, wd.t(), out=plain_out),
              "cuBLAS plain": lambda: torch.matmul(go, wd, out=plain_out)}
     row = {"tokens": t, "errors": errors, "ok": max(errors.values()) < MAX_RELATIVE_ERROR}
-    # The bar's figure: steady state, turn by turn (timing.interleaved_us), all variants in one
+    # The figure reported: steady state, turn by turn (timing.interleaved_us), all variants in one
     # set of turns so every one runs at the clock the whole mix sets under the power cap (a set
     # of only the products ran ~20% slower than one with the peers' element-wise passes); the
     # burst figures (best of alternating rounds) beside it, for comparison with earlier runs.
