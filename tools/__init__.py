@@ -1,4 +1,5 @@
 """The command-line tools: python -m cutebwd.tools.NAME --help."""
+import argparse
 import os
 import sys
 
@@ -10,6 +11,13 @@ def drop_checkout_root() -> None:
     found by its install, not by the path; an installed copy has no root on the path to drop."""
     root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+
+
+
+def tool_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of `python -m cutebwd.tools.<name>`: its usage line is the command to type, its
+    description the first paragraph of `doc`."""
+    return argparse.ArgumentParser(prog=f"python -m cutebwd.tools.{name}", description=doc.split("\n\n")[0])
 
 
 drop_checkout_root()

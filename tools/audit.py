@@ -15,7 +15,6 @@ or does not compile.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -28,6 +27,7 @@ import tempfile
 import time
 
 from cutebwd.layouts import gpus
+from cutebwd.tools import tool_parser
 
 # The arches audited (the DSL also builds sm_103a, the B300's target: tests/test_dispatch.py
 # compiles a sample for it).
@@ -503,7 +503,7 @@ def dispatch_summary(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.audit", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("audit", __doc__)
     parser.add_argument("--json", default="audit.json", help="where to write the full results (the whole table)")
     parser.add_argument("--only", help="audit only builds whose name contains this")
     parser.add_argument("--keep", help="keep PTX and CUBIN files under this folder")

@@ -16,7 +16,6 @@ A table on screen, JSON on disk, progress on stderr while it runs.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import statistics
@@ -28,7 +27,7 @@ import torch
 from cutebwd.kernels import runtime
 from cutebwd.references import PROBLEMS
 from cutebwd.references.workloads import sol_seconds
-from cutebwd.tools import clocks, parity, timing
+from cutebwd.tools import clocks, parity, timing, tool_parser
 
 # Graph-replay figures only where host cost could matter: inputs below this size.
 GRAPH_MAX_INPUT_BYTES = 64 << 20
@@ -414,7 +413,7 @@ def format_tables(rows, summary) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.bench", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("bench", __doc__)
     parser.add_argument("--problem", action="append", choices=sorted(PROBLEMS), help="default: all")
     parser.add_argument("--impl", action="append", help="implementation names (default: all registered)")
     parser.add_argument("--json", default="bench.json")

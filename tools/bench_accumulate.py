@@ -14,8 +14,9 @@ time of PyTorch's own Tensor.copy_ comes first: back-to-back calls bound by host
 """
 from __future__ import annotations
 
-import argparse
 import sys
+
+from cutebwd.tools import tool_parser
 
 VOCAB = 65536
 
@@ -54,10 +55,9 @@ def measure(seq: int, batch: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cutebwd.tools.bench_accumulate",
-        description="087's small accumulating calls (out=, accumulate=True) on the benchmark's inputs, us a call: "
-                    "back to back with the host, on the GPU alone (queued behind a device sleep) and in graph replay.")
+    parser = tool_parser("bench_accumulate",
+                         "087's small accumulating calls (out=, accumulate=True) on the benchmark's inputs, us a call: "
+                         "back to back with the host, on the GPU alone (queued behind a device sleep) and in graph replay.")
     parser.add_argument("--sizes", default="128x1,256x1,512x1,256x2", help="SEQxBATCH items, comma-separated")
     parser.add_argument("--json", help="where to write the rows")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -14,7 +14,6 @@ A table on screen, JSON on disk, progress on stderr while it runs.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -23,7 +22,7 @@ import time
 
 import torch
 
-from cutebwd.tools import clocks, timing
+from cutebwd.tools import clocks, timing, tool_parser
 from cutebwd.tools.parity import relative_error
 
 # (out_features, in_features) of the weights: the decoder layer's q/o (5120 x 5120), k/v
@@ -125,7 +124,7 @@ def format_table(rows, summary) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.bench_gemm", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("bench_gemm", __doc__)
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values")
     parser.add_argument("--json", default="bench-gemm.json")
     parser.add_argument("--seed", type=int, default=0)

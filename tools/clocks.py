@@ -168,10 +168,9 @@ def sampled(cuda_index: int | None = None) -> Window:
 
 
 def main(argv=None) -> int:
-    import argparse
+    from cutebwd.tools import tool_parser
 
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.clocks",
-                                     description="Print 'time MHz W reasons' lines for one GPU until stopped.")
+    parser = tool_parser("clocks", "Print 'time MHz W reasons' lines for one GPU until stopped.")
     parser.add_argument("--uuid")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--period", type=float, default=PERIOD_S)

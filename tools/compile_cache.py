@@ -11,7 +11,6 @@ second (warm: load), and prints both per build.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -19,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from cutebwd.tools import tool_parser
 
 
 def fill(arch: str, only: str | None, progress=print) -> list[dict]:
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     from cutebwd.kernels import disk_cache
     from cutebwd.kernels.runtime import ARCHES
 
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.compile_cache", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("compile_cache", __doc__)
     parser.add_argument("--arch", default="sm_90a", choices=ARCHES)
     parser.add_argument("--only", help="only builds whose name contains this")
     parser.add_argument("--times", action="store_true", help="cold and warm times against a fresh cache")

@@ -11,7 +11,6 @@ floor (docs/design-host.md).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import cutlass
@@ -20,7 +19,7 @@ import torch
 from cutlass import Float32
 
 from cutebwd.kernels import runtime
-from cutebwd.tools import timing
+from cutebwd.tools import timing, tool_parser
 
 LAUNCHES = ((1, False), (2, False), (4, False), (4, True))
 
@@ -69,7 +68,7 @@ def measure() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.host_cost", description=__doc__.splitlines()[0])
+    parser = tool_parser("host_cost", __doc__)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not timing.have_gpu("host_cost"):

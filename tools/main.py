@@ -11,13 +11,13 @@ import os
 import subprocess
 import sys
 
+from cutebwd.tools import tool_parser
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cutebwd.tools.main",
-        description="Audit every kernel for sm_90a and sm_100a, and every build dispatch makes on an H200 and a "
-                    "B200 (no GPU needed; about 5 minutes on 2 cores); with a GPU, then the GPU tests and the "
-                    "benchmark.")
+    parser = tool_parser("main", "Audit every kernel for sm_90a and sm_100a, and every build dispatch makes on an "
+                                 "H200 and a B200 (no GPU needed; about 5 minutes on 2 cores); with a GPU, then the "
+                                 "GPU tests and the benchmark.")
     parser.add_argument("--no-bench", action="store_true", help="stop after the audit and the GPU tests")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="after --: options for python -m cutebwd.tools.bench")

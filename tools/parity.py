@@ -177,13 +177,13 @@ def op_for(problem, dims=None):
 def main(argv=None) -> int:
     """Every workload of every problem held to the bar as the benchmark runs it: fresh inputs each
     round, outputs NaN-poisoned and zero-filled, one line per workload, a total per problem."""
-    import argparse
     import time
 
     from cutebwd.references import PROBLEMS
+    from cutebwd.tools import tool_parser
     from cutebwd.tools.timing import have_gpu, progress
 
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.parity", description=main.__doc__)
+    parser = tool_parser("parity", main.__doc__)
     parser.add_argument("--problem", action="append", choices=sorted(PROBLEMS), help="default: all four")
     parser.add_argument("--rounds", type=int, default=10, help="rounds of fresh inputs per workload (default 10)")
     args = parser.parse_args(argv)

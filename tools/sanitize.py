@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from cutebwd.tools import tool_parser
 from cutebwd.tools.timing import have_gpu, progress
 
 TOOLS = ("memcheck", "racecheck")
@@ -264,7 +265,7 @@ def find_sanitizer() -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.sanitize", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("sanitize", __doc__)
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # the process under a tool

@@ -273,7 +273,6 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), [()], budget_ms=100)
-    del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -290,11 +289,12 @@ def token_bench(tool: str, description: str, argv, default_tokens: str, bench_ro
     """A tool's main for benches run per token count T: parse --tokens/--json/--seed, then for
     each T `bench_row(t, generator, info, progress)` -> a row dict with "ok" (info: what
     `header()` measured once, e.g. the copy bandwidth); the table on screen, JSON on disk."""
-    import argparse
     import datetime
     import json
 
-    parser = argparse.ArgumentParser(prog=f"python -m cutebwd.tools.{tool}", description=description)
+    from cutebwd.tools import tool_parser
+
+    parser = tool_parser(tool, description)
     parser.add_argument("--tokens", default=default_tokens, help="comma-separated T values")
     parser.add_argument("--json", default=f"{tool.replace('_', '-')}.json")
     parser.add_argument("--seed", type=int, default=0)

@@ -33,9 +33,10 @@ default (sdpa) attention is timed beside them. Needs a CUDA GPU and transformers
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
+
+from cutebwd.tools import tool_parser
 
 # Real models' widths (their configs on the Hugging Face hub).
 VOCAB = {"gemma3-270m": 262144, "gemma3-1b": 262144, "qwen3-4b": 151936, "mistral-small-24b": 131072}
@@ -155,7 +156,7 @@ def _inputs(model, batch: int, seq: int, input_ids: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.train_step", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("train_step", __doc__)
     parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: all")
     parser.add_argument("--seq", action="append", type=int, help="sequence lengths (default: 512, 2048)")
     parser.add_argument("--batch", type=int, default=4)

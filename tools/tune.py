@@ -21,13 +21,13 @@ and docs/design-embedding.md.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
 import time
 from pathlib import Path
 
+from cutebwd.tools import tool_parser
 from cutebwd.tools.bench_gemm import MAX_RELATIVE_ERROR, operands, products
 from cutebwd.tools.parity import relative_error
 
@@ -86,7 +86,7 @@ def token_counts(spec: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cutebwd.tools.tune", description=__doc__.split("\n\n")[0])
+    parser = tool_parser("tune", __doc__)
     parser.add_argument("--tokens", default="128,512,2048,8192",
                         help="comma-separated T values, or 'workloads': those of 051's and 056's workloads")
     parser.add_argument("--only", default="", help="only products whose name contains this")
