@@ -305,6 +305,24 @@ def test_every_tool_answers_help_with_its_usage(tool):
         done.stdout[:300]
 
 
+GPU_TOOLS = ("bench", "bench_accumulate", "bench_epilogue", "bench_gemm", "bench_grouped", "host_cost", "parity",
+             "sanitize", "tune", "train_step")
+
+
+@pytest.mark.parametrize("tool", GPU_TOOLS)
+def test_a_gpu_tool_without_a_gpu_exits_with_2(tool, monkeypatch, capsys):
+    """Nothing measured is not a success: a script or CI step sees the status, the reader the line."""
+    import importlib
+    import sys
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", [tool])  # tools hide the command line from the DSL by cutting it
+    assert importlib.import_module(f"cutebwd.tools.{tool}").main([]) == 2
+    assert "no CUDA GPU here" in capsys.readouterr().err
+
+
 def test_accumulate_bench_reads_its_sizes():
     from cutebwd.tools.bench_accumulate import parse_sizes
 

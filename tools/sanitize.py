@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         run_cases(args.only)
         return 0
     if not have_gpu("sanitize"):
-        return 0
+        return 2
     sanitizer = find_sanitizer()
     if not sanitizer:
         progress("sanitize: compute-sanitizer not found (PATH, CUDA_HOME/bin)")

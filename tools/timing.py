@@ -50,7 +50,8 @@ def strict_compile() -> None:
 
 
 def have_gpu(tool: str) -> bool:
-    """True with a CUDA GPU; otherwise say that `tool` has nothing to run here."""
+    """True with a CUDA GPU; otherwise say that `tool` has nothing to run here (its main then
+    exits with 2, so a script does not read a run that measured nothing as a success)."""
     if torch.cuda.is_available():
         return True
     progress(f"{tool}: no CUDA GPU here; nothing to run")

@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     from cutebwd.tools.timing import copy_host_us, have_gpu, progress, strict_compile, write_results
 
     if not have_gpu("train_step"):
-        return 0
+        return 2
     # Each model compiles twice (as it is and patched) at each sequence length, and transformers'
     # forward wrappers are code objects every model shares.
     strict_compile()

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     from cutebwd.tools import timing
 
     if not timing.have_gpu("tune"):
-        return 0
+        return 2
     import torch
 
     from cutebwd.kernels.runtime import device_gpu
