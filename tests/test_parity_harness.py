@@ -108,3 +108,26 @@ def test_check_problem_catches_an_unwritten_output(fill):
     assert all(r.ok for r in parity.check_problem(cpu_problem, honest, 2, 5, dims=dims, fills=(fill,), rounds=2))
     with pytest.raises(AssertionError, match="grad_residual"):
         parity.check_problem(cpu_problem, lazy, 2, 5, dims=dims, fills=(fill,))
+
+
+def test_an_exact_evaluation_with_nan_stops_the_check():
+    """A NaN in the exact values would make the accuracy half read as not measured, and pass."""
+    exact = _exact()
+    ref = _ref(exact)
+    exact[5] = float("nan")
+    with pytest.raises(AssertionError, match="exact evaluation holds NaN"):
+        check_output("x", ref.clone(), ref, ATOL, exact)
+
+
+def test_assert_problem_holds_outputs_to_the_contracts_dtypes():
+    """An output in a wider dtype than declared can meet the tolerances; the contract fixes the dtype."""
+    from cutebwd.references import PROBLEMS
+
+    problem = PROBLEMS["fused_residual_rmsnorm_backward"]
+    dims = {"hidden": 64}
+    inputs = problem.module.make_inputs(2, 5, dims=dims)
+    outputs = problem.run_reference(inputs, dims=dims)
+    assert all(r.ok for r in parity.assert_problem(problem, inputs, outputs, 2, 5, dims=dims))
+    widened = (outputs[0].float(), *outputs[1:])
+    with pytest.raises(AssertionError, match="grad_hidden_states is torch.float32, the contract's is torch.bfloat16"):
+        parity.assert_problem(problem, inputs, widened, 2, 5, dims=dims)

@@ -85,6 +85,9 @@ def check_output(name: str, out: torch.Tensor, ref: torch.Tensor, atol: float,
     max_abs = err[both].max().item() if both.any() else 0.0
     if exact is None:
         error = ref_error = float("nan")
+    elif not bool(torch.isfinite(exact).all()):
+        # its norm would be NaN, and a NaN ref_error reads as "not measured": the half would pass unseen
+        raise AssertionError(f"{name}: the exact evaluation holds NaN or Inf; the accuracy check cannot run")
     else:
         error = relative_error(torch.where(out_finite, out64, torch.zeros_like(out64)), exact)
         ref_error = relative_error(torch.where(ref_finite, ref64, torch.zeros_like(ref64)), exact)
@@ -131,6 +134,9 @@ def assert_problem(problem, inputs, outputs, batch: int, seq: int, *, dims=None,
     the bar; reference_options go to the reference (the embedding backward's accumulate_into)."""
     expected = problem.run_reference(inputs, dims=dims, **reference_options)
     exact = problem.run_exact(inputs, dims=dims, **reference_options)
+    for name, out, ref in zip(problem.output_names, outputs, expected):
+        if out.dtype != ref.dtype:  # the numbers could pass in a wider dtype; the contract fixes it
+            raise AssertionError(f"{problem.name}: {name} is {out.dtype}, the contract's is {ref.dtype} {context}")
     return assert_parity(problem.output_names, outputs, expected, problem.atol(seq, batch), exact,
                          f"{problem.name} batch={batch} seq={seq} {context}")
 
