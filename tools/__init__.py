@@ -13,7 +13,6 @@ def drop_checkout_root() -> None:
     sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
 
 
-
 def tool_parser(name: str, doc: str) -> argparse.ArgumentParser:
     """The parser of `python -m cutebwd.tools.<name>`: its usage line is the command to type, its
     description the first paragraph of `doc`."""
