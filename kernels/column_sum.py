@@ -16,6 +16,33 @@ from cutlass import Float32, Int32
 from .rows import VECTOR, vector, wide_copy
 
 
+# Partial rows a lane loads before adding them. The loads wait on L2 (the partials were just
+# written by other CTAs): a loop that adds each row as it lands waits one round trip a row. Only
+# add_column_slices walks enough rows a lane for this to pay. ColumnSum's 128 streams hold one to
+# four rows each: there a batch's extra loads (the last row read again) cost the embedding fix-up
+# more than the overlap saved.
+ROWS_IN_FLIGHT = 4
+
+
+@cute.jit
+def add_rows(acc, partials: cute.Tensor, v, first, step):
+    """acc += fp32 column vector v of partials' rows first, first + step, ... in that order (a
+    fixed order: bitwise repeatable), ROWS_IN_FLIGHT loads issued before their adds so their
+    round trips overlap."""
+    atom = wide_copy(Float32)
+    rows = partials.shape[0]
+    staging = cute.make_rmem_tensor((VECTOR, ROWS_IN_FLIGHT), Float32)
+    for i in cutlass.range(first, rows, step * ROWS_IN_FLIGHT):
+        for j in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+            # every load unconditional (a row past the end reads the last row instead), so none
+            # waits behind a branch or an earlier row's adds
+            row = cutlass.min(i + j * step, rows - 1)
+            cute.copy(atom, vector(partials[row, None], v), staging[None, j])
+        for j in cutlass.range_constexpr(ROWS_IN_FLIGHT):
+            if i + j * step < rows:  # a row past the end adds nothing (not even a zero: -0.0 stays)
+                acc.store(acc.load() + staging[None, j].load())
+
+
 class ColumnSum:
     """out[j] = sum_i partials[i, j], hidden a multiple of VECTOR; out fp32 or bf16 (its
     element type, fixed at compile time, picks the store).
@@ -144,9 +171,9 @@ def add_column_slices(partials: cute.Tensor, out: cute.Tensor, threads: cutlass.
     """out = the column sums of fp32 partials [rows, columns] (out fp32, or bf16 rounded once), by
     every CTA of the grid, each adding a slice of the columns: a vector's rows go to `lanes`
     adjacent lanes of a warp (a power of two up to 32: as many as the slice leaves each vector),
-    lane l adding rows l, l + lanes, ... in order, then a butterfly over the lanes. As compiled
-    (sm_90a), the loop adds each row as it lands, so a lane waits an L2 round trip a row (four
-    with a CTA per partial row; a warp adding one vector at a time waited one a vector). The order
+    lane l adding rows l, l + lanes, ... in order, then a butterfly over the lanes. A thread's
+    loads are in flight together (add_rows: four a thread with a CTA per partial row, where a
+    warp adding one vector at a time waited a round trip per vector). The order
     depends only on the grid and the row count: bitwise repeatable. `cta`: whose slice (this CTA's
     by default)."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -154,23 +181,19 @@ def add_column_slices(partials: cute.Tensor, out: cute.Tensor, threads: cutlass.
     if cutlass.const_expr(cta is not None):
         bidx = cta
     ctas, _, _ = cute.arch.grid_dim()
-    vectors, rows = partials.shape[1] // VECTOR, partials.shape[0]
+    vectors = partials.shape[1] // VECTOR
     per_cta = (vectors + ctas - 1) // ctas
     lanes = Int32(32)
     while lanes > 1 and lanes * per_cta > threads:
         lanes = lanes // 2
     slot, row_lane, slots = tidx // lanes, tidx % lanes, threads // lanes
-    atom = wide_copy(Float32)
     acc = cute.make_rmem_tensor((VECTOR,), Float32)
-    staging = cute.make_rmem_tensor((VECTOR,), Float32)
     for first in cutlass.range(0, per_cta, slots):  # the same trip count in every lane: shuffles below
         s = first + slot
         v = bidx * per_cta + s
         acc.fill(0.0)
         if s < per_cta and v < vectors:
-            for r in cutlass.range(row_lane, rows, lanes, unroll=4):
-                cute.copy(atom, vector(partials[r, None], v), staging)
-                acc.store(acc.load() + staging.load())
+            add_rows(acc, partials, v, row_lane, lanes)
         for offset in cutlass.range_constexpr(5):
             if (1 << offset) < lanes:
                 for e in cutlass.range_constexpr(VECTOR):
