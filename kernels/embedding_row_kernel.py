@@ -328,6 +328,11 @@ class EmbeddingRmsNormBackward:
         if bidx < ctas:
             store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
         if cutlass.const_expr(self.one_launch):
+            # A segment this range owns (one that runs past its end): its table row read now, so
+            # the grid wait covers the DRAM round trip. Only this CTA writes that row, in its finish.
+            owns, vid, _ = owned_segment(m_sorted, m_table.shape[0], bidx, tokens, ctas)
+            if owns == 1:
+                read_row((loads[0], loads[0]), (m_table[Int32(vid), None],), (old,), tidx, threads, vpt, vectors)
             self.finish_in_grid(smem, m_sorted, m_table, m_part, m_carry, m_wout, padding, m_arrivals, ctas,
                                 (segment, xs, old), loads, tidx)
         if cutlass.const_expr(not self.accumulate):
@@ -401,7 +406,8 @@ class EmbeddingRmsNormBackward:
         cute.arch.barrier()
         mine, last, target = decision[0], decision[1], decision[2]
         if mine == 1:
-            self.finish_share(bidx, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx)
+            self.finish_share(bidx, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx,
+                              True)
         if last == 1:
             # The shares other CTAs left: each thread reads the status of shares tidx, tidx +
             # threads, ... (every CTA has arrived, so each is decided or about to be).
@@ -431,25 +437,36 @@ class EmbeddingRmsNormBackward:
                                                   ctas, regs, loads, tidx)
 
     @cute.jit
-    def finish_share(self, a, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx):
-        """Share a of the finish: the segment range a owns, its partials in range order, added into
-        the segment's table row, and slice a of the weight gradient's columns (a fixed order:
-        the same bits whichever CTA does it)."""
+    def finish_share(self, a, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx,
+                     own: cutlass.Constexpr = False):
+        """Share a of the finish: the segment range a owns, its partials in range order (range a's
+        tail, then the heads of the ranges it reaches) added into the segment's table row, and
+        slice a of the weight gradient's columns: a fixed order, the same bits whichever CTA does
+        it. `own`: a is this CTA's range, whose tail partial is still in `segment` and whose
+        segment's table row the walk's end read into `old`; another CTA reads both back. The first
+        head is loaded before the column slice and added after it: the two wait on L2 together."""
         segment, staging, old = regs
         threads, vpt, vectors = self.threads, self.vectors_per_thread, self.hidden // VECTOR
         owns, vid, last_range = owned_segment(m_sorted, m_table.shape[0], a, cute.size(m_sorted), ctas)
         if owns == 1:
-            segment.fill(0.0)
-            for j in cutlass.range(last_range - a + 1):
-                read_row(loads, (m_carry[segment_partial_row(a, j), None],), (staging,), tidx, threads, vpt,
-                         vectors)
-                for k in cutlass.range_constexpr(vpt):
-                    segment[None, k].store(segment[None, k].load() + staging[None, k].load())
-            row = m_table[Int32(vid), None]
-            if _written(True, segment, vid, padding) == 1:
-                _write_table_row(True, loads[0], segment, old, row, tidx, threads, vpt, vectors, row)
+            if cutlass.const_expr(not own):
+                read_row(loads, (m_carry[segment_partial_row(a, 0), None],), (segment,), tidx, threads, vpt, vectors)
+                read_row((loads[0], loads[0]), (m_table[Int32(vid), None],), (old,), tidx, threads, vpt, vectors)
+            # an owned segment runs past range a: range a + 1's head is always a partial
+            read_row(loads, (m_carry[segment_partial_row(a, 1), None],), (staging,), tidx, threads, vpt, vectors)
         if ids_in_range(m_sorted, m_table.shape[0]) == 1:
             add_column_slices(m_part, m_wout, threads, a)
+        if owns == 1:
+            for j in cutlass.range(1, last_range - a + 1):
+                if j > 1:
+                    read_row(loads, (m_carry[segment_partial_row(a, j), None],), (staging,), tidx, threads, vpt,
+                             vectors)
+                for k in cutlass.range_constexpr(vpt):
+                    segment[None, k].store(segment[None, k].load() + staging[None, k].load())
+            if _written(True, segment, vid, padding) == 1:
+                for k in cutlass.range_constexpr(vpt):
+                    old[None, k].store(old[None, k].load() + segment[None, k].load())
+                store_row(loads[0], old, m_table[Int32(vid), None], tidx, threads, vpt, vectors)
 
     @cute.jit
     def fetch(self, fetches, token_rows, m_rstd, m_table, ids, token, j, rows_ring, rstd_ring, slot, tidx):
