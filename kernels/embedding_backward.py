@@ -204,9 +204,9 @@ class _Workspace(runtime.StreamWorkspace):
         import torch
 
         buffer = super()._new()
-        # the sorted ids, then the one-launch build's arrival count (zero before its first use) and
-        # a status word per CTA (finish_in_grid)
-        words = SORT_ON_CHIP_MAX_TOKENS + 1 + self.shape[0]
+        # the sorted ids, then the one-launch build's counts (zero before their first use) and a
+        # status word per CTA (finish_in_grid)
+        words = SORT_ON_CHIP_MAX_TOKENS + row_kernel.STATUS + self.shape[0]
         return buffer, torch.zeros(words, dtype=torch.int32, device=self.device)
 
 

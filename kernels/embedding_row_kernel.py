@@ -56,11 +56,11 @@ MAX_STAGES = 3
 WINDOW_MARGIN = 8
 # The one-launch build finishes without a co-residency guarantee (finish_in_grid): a CTA that has
 # waited this many SM clock cycles (~0.5 ms) for the others to walk takes it that some never
-# became resident, and leaves its finishing share to the last CTA to arrive.
+# became resident, and leaves its finishing share to the last CTA to decide.
 SETTLE_TIMEOUT_CYCLES = 1 << 20
-# A share's status word before its CTA decides: never a generation's target (a multiple of
-# ARRIVALS_PER_USE, "claimed") or target + 1 ("left to the last CTA").
-PENDING = 2
+# The finish's words past the published sorted ids: the arrival count, the decision count, then a
+# status word per share (finish_in_grid).
+ARRIVED, DECIDED, STATUS = 0, 1, 2
 
 
 
@@ -119,12 +119,12 @@ class EmbeddingRmsNormBackward:
         """Up to SORT_ON_CHIP_MAX_TOKENS tokens: the raw ids (int64 or int32, [b, s], contiguous:
         the caller checks), each row-kernel CTA sorting them itself; CTA 0 leaves the sorted ids
         in `sorted_ids` (int32, at least as long) for the fix-up and bad ids' range in `record`
-        (errors.py). With `one_launch` the words past those hold the finish's arrival count and
-        a status word per CTA (finish_in_grid)."""
+        (errors.py). With `one_launch` the words past those hold the finish's counts and a status
+        word per CTA (finish_in_grid)."""
         # Read flat, as the [b, s] tensor itself: a reshape cost 2.6 us of host time a call.
         ids = cute.make_tensor(ids.iterator, cute.make_layout(cute.size(ids)))
         published = cute.make_tensor(sorted_ids.iterator, cute.make_layout(cute.size(ids)))
-        arrivals = cute.make_tensor(sorted_ids.iterator + SORT_ON_CHIP_MAX_TOKENS, cute.make_layout(ctas + 1))
+        arrivals = cute.make_tensor(sorted_ids.iterator + SORT_ON_CHIP_MAX_TOKENS, cute.make_layout(STATUS + ctas))
         self.launch(grad_output, hidden_states, rstd, norm_weight, published, None, ids, record, table,
                     grad_norm_weight, workspace, ctas, grid, walker_rows, poison, stream, arrivals=arrivals,
                     model=(residual_grad, embed_scale, padding))
@@ -368,73 +368,76 @@ class EmbeddingRmsNormBackward:
                        tidx):
         """SegmentFixup's two jobs in the row kernel's grid (`one_launch`) once every CTA has walked,
         as `ctas` shares (finish_share): share a adds the segment range a owns into its table
-        row and a slice of the weight gradient's partial columns. m_words: [0] the arrival count
-        (never reset: each call adds ARRIVALS_PER_USE in all, as gemm.core.grid_barrier counts),
-        [1 + a] share a's status.
+        row and a slice of the weight gradient's partial columns. m_words: the ARRIVED and
+        DECIDED counts, never reset (each call adds ARRIVALS_PER_USE in all to each, as
+        gemm.core.grid_barrier counts), and STATUS + a: target + 1 where share a was left.
 
-        Each CTA marks its share pending and arrives. The last to arrive does its share, then
-        every share whose CTA left it. Any other CTA waits for the count to reach the call's
-        target: then it claims its share and does it; past SETTLE_TIMEOUT_CYCLES (some CTA of
-        the grid was never resident, held out by the waiting ones) it leaves the share and
-        exits, which frees its SM for the CTAs still to run. Co-resident grids (the usual case)
-        finish as after a grid barrier; none can hang. Bad ids write nothing."""
+        Each CTA arrives. The last to arrive claims its share at once; any other waits for the
+        count to reach the call's target, then claims its share; past SETTLE_TIMEOUT_CYCLES (some
+        CTA of the grid was never resident, held out by the waiting ones) it leaves the share
+        and exits, which frees its SM for the CTAs still to run. Every CTA counts its decision,
+        a CTA that leaves with ARRIVALS_PER_USE more, so the last to decide learns from its own
+        count whether any share was left: then it does them, and takes the surplus back. Claiming
+        costs no fence and no other word, so co-resident grids (the usual case) finish as after
+        a grid barrier; none can hang. Bad ids write nothing."""
         bidx, _, _ = cute.arch.block_idx()
-        decision = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        decision = smem.allocate_tensor(Int32, cute.make_layout(3), byte_alignment=16)
         count = m_words.iterator
+        share = Int32(1)
+        if bidx == 0:
+            share = Int32(ARRIVALS_PER_USE) - (ctas - 1)
+        decided = Int32(0)  # thread 0: the decision count before this CTA's, read after its share
         cute.arch.barrier()  # this CTA's partials are written: thread 0's release below covers them
         if tidx == 0:
-            m_words[1 + bidx] = Int32(PENDING)
-            share = Int32(1)
-            if bidx == 0:
-                share = Int32(ARRIVALS_PER_USE) - (ctas - 1)
-            found = cute.arch.atomic_add(count, share, sem="acq_rel", scope="gpu")
+            found = cute.arch.atomic_add(count + ARRIVED, share, sem="acq_rel", scope="gpu")
             target = (found & Int32(-ARRIVALS_PER_USE)) + Int32(ARRIVALS_PER_USE)
-            last = Int32(found + share == target)
             mine = Int32(1)
-            if last == 0:
+            if found + share != target:
                 start = cute.arch.clock64()
                 waiting = Int32(1)
                 while waiting == 1:
-                    if cute.arch.load(count, Int32, sem="acquire", scope="gpu") - target >= 0:
+                    if cute.arch.load(count + ARRIVED, Int32, sem="acquire", scope="gpu") - target >= 0:
                         waiting = Int32(0)
                     elif cute.arch.clock64() - start > self.settle_timeout:
                         waiting, mine = Int32(0), Int32(0)
-                cute.arch.store(count + 1 + bidx, target + 1 - mine, sem="release", scope="gpu")
+            if mine == 0:
+                m_words[STATUS + bidx] = target + 1
+                cute.arch.fence_acq_rel_gpu()  # releases the status with the count below
+            # One count for both, its result read only after the share: nothing waits on it here.
+            decided = cute.arch.atomic_add(count + DECIDED, share + (1 - mine) * Int32(ARRIVALS_PER_USE),
+                                           sem="relaxed", scope="gpu")
             decision[0] = mine
-            decision[1] = last
             decision[2] = target
         cute.arch.barrier()
-        mine, last, target = decision[0], decision[1], decision[2]
-        if mine == 1:
+        if decision[0] == 1:
             self.finish_share(bidx, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx,
                               True)
-        if last == 1:
-            # The shares other CTAs left: each thread reads the status of shares tidx, tidx +
-            # threads, ... (every CTA has arrived, so each is decided or about to be).
-            for first in cutlass.range(0, ctas, self.threads):
-                a = first + tidx
-                left = Int32(0)
-                if a < ctas and a != bidx:
-                    undecided = Int32(1)
-                    while undecided == 1:
-                        status = cute.arch.load(count + 1 + a, Int32, sem="acquire", scope="gpu")
-                        if status - target == 0:
-                            undecided = Int32(0)
-                        elif status - target == 1:
-                            undecided, left = Int32(0), Int32(1)
-                cute.arch.barrier()
-                if tidx == 0:
-                    decision[3] = Int32(0)
-                cute.arch.barrier()
-                if left == 1:
-                    decision[3] = Int32(1)  # every writer writes 1
-                cute.arch.barrier()
-                if decision[3] == 1:
-                    for j in cutlass.range(self.threads):
-                        if first + j < ctas:
-                            if cute.arch.load(count + 1 + first + j, Int32, sem="acquire", scope="gpu") - target == 1:
-                                self.finish_share(first + j, m_sorted, m_table, m_part, m_carry, m_wout, padding,
-                                                  ctas, regs, loads, tidx)
+        if tidx == 0:
+            left = Int32(0)
+            target = decision[2]
+            decided += share + (1 - decision[0]) * Int32(ARRIVALS_PER_USE)
+            surplus = decided - target  # ARRIVALS_PER_USE a share left, for the last to decide
+            if (decided & Int32(ARRIVALS_PER_USE - 1)) == 0:
+                if surplus != 0:
+                    # Every CTA has decided, some left: after the acquire (and the count, for a
+                    # CTA that left before it saw the count complete) their words are visible.
+                    cute.arch.fence_acq_rel_gpu()
+                    arriving = Int32(1)
+                    while arriving == 1:
+                        if cute.arch.load(count + ARRIVED, Int32, sem="acquire", scope="gpu") - target >= 0:
+                            arriving = Int32(0)
+                    cute.arch.atomic_add(count + DECIDED, -surplus, sem="relaxed", scope="gpu")
+                    left = Int32(1)
+            decision[1] = left
+        cute.arch.barrier()
+        if decision[1] == 1:
+            for a in cutlass.range(ctas):
+                if cute.arch.load(count + STATUS + a, Int32, sem="relaxed", scope="gpu") == decision[2] + 1:
+                    self.finish_share(a, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads,
+                                      tidx)
+                    cute.arch.barrier()  # every thread has read the status before it is cleared
+                    if tidx == 0:
+                        m_words[STATUS + a] = Int32(0)  # never a later call's target + 1
 
     @cute.jit
     def finish_share(self, a, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx,

@@ -101,22 +101,23 @@ def test_bitwise_repeatable_with_heavy_duplication():
 @pytest.mark.parametrize("tokens,same_ids", [(512, False), (1000, True)])
 def test_finish_left_to_the_last_cta_gives_the_same_bits(monkeypatch, tokens, same_ids):
     """The one-launch accumulate build with a zero wait: every CTA but the last to arrive leaves
-    its finishing share (as where the grid is not co-resident), and the last does them all."""
+    its finishing share (as where the grid is not co-resident), and the last to decide does them
+    all."""
     from cutebwd.kernels import embedding_backward as op, embedding_row_kernel
 
-    inputs = PROBLEM.make_inputs(1, tokens, device="cuda", seed=6, same_ids=same_ids)
+    grad_output, *others = PROBLEM.make_inputs(1, tokens, device="cuda", seed=6, same_ids=same_ids)
     table = torch.randn(65536, 4096, device="cuda").bfloat16()
 
-    def accumulate():
+    def accumulate(grad_output):
         out = (table.clone(), torch.full((4096,), float("nan"), dtype=torch.bfloat16, device="cuda"))
-        kernel(*inputs, out=out, accumulate=True)
+        kernel(grad_output, *others, out=out, accumulate=True)
         return out
 
-    want = accumulate()
+    want = accumulate(grad_output)
     monkeypatch.setattr(embedding_row_kernel, "SETTLE_TIMEOUT_CYCLES", 0)
     monkeypatch.setattr(op, "_calls", op.CallCache(op._call_key, op._check_call, op._new_entry))
     for _ in range(3):
-        got = accumulate()
+        got = accumulate(grad_output)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
