@@ -80,6 +80,10 @@ class EmbeddingRmsNormBackward:
         if hidden % VECTOR:
             raise ValueError(f"hidden size {hidden} must be a multiple of {VECTOR}")
         self.hidden, self.accumulate, self.arch = hidden, accumulate, arch
+        # The one-launch finish keeps the CTA's own segment sum and table row in registers from
+        # the walk's end; under sm_100a's 128-register cap that spills, so there its share reads
+        # both back as another CTA's would.
+        self.own_in_registers = arch != "sm_100a"
         self.early_fill = early_fill and not accumulate
         self.one_launch = one_launch and accumulate
         self.model = model
@@ -328,11 +332,13 @@ class EmbeddingRmsNormBackward:
         if bidx < ctas:
             store_row(loads[1], grad_norm_weight, m_part[bidx, None], tidx, threads, vpt, vectors)
         if cutlass.const_expr(self.one_launch):
-            # A segment this range owns (one that runs past its end): its table row read now, so
-            # the grid wait covers the DRAM round trip. Only this CTA writes that row, in its finish.
-            owns, vid, _ = owned_segment(m_sorted, m_table.shape[0], bidx, tokens, ctas)
-            if owns == 1:
-                read_row((loads[0], loads[0]), (m_table[Int32(vid), None],), (old,), tidx, threads, vpt, vectors)
+            if cutlass.const_expr(self.own_in_registers):
+                # A segment this range owns (one that runs past its end): its table row read now, so
+                # the grid wait covers the DRAM round trip. Only this CTA writes that row, in its finish.
+                owns, vid, _ = owned_segment(m_sorted, m_table.shape[0], bidx, tokens, ctas)
+                if owns == 1:
+                    read_row((loads[0], loads[0]), (m_table[Int32(vid), None],), (old,), tidx, threads, vpt,
+                             vectors)
             self.finish_in_grid(smem, m_sorted, m_table, m_part, m_carry, m_wout, padding, m_arrivals, ctas,
                                 (segment, xs, old), loads, tidx)
         if cutlass.const_expr(not self.accumulate):
@@ -411,7 +417,7 @@ class EmbeddingRmsNormBackward:
         cute.arch.barrier()
         if decision[0] == 1:
             self.finish_share(bidx, m_sorted, m_table, m_part, m_carry, m_wout, padding, ctas, regs, loads, tidx,
-                              True)
+                              self.own_in_registers)
         if tidx == 0:
             left = Int32(0)
             target = decision[2]
@@ -451,14 +457,19 @@ class EmbeddingRmsNormBackward:
         segment, staging, old = regs
         threads, vpt, vectors = self.threads, self.vectors_per_thread, self.hidden // VECTOR
         owns, vid, last_range = owned_segment(m_sorted, m_table.shape[0], a, cute.size(m_sorted), ctas)
+        if cutlass.const_expr(not self.own_in_registers):
+            # sm_100a: the column slice first, so no row is live across it (128 registers)
+            if ids_in_range(m_sorted, m_table.shape[0]) == 1:
+                add_column_slices(m_part, m_wout, threads, a)
         if owns == 1:
             if cutlass.const_expr(not own):
                 read_row(loads, (m_carry[segment_partial_row(a, 0), None],), (segment,), tidx, threads, vpt, vectors)
                 read_row((loads[0], loads[0]), (m_table[Int32(vid), None],), (old,), tidx, threads, vpt, vectors)
             # an owned segment runs past range a: range a + 1's head is always a partial
             read_row(loads, (m_carry[segment_partial_row(a, 1), None],), (staging,), tidx, threads, vpt, vectors)
-        if ids_in_range(m_sorted, m_table.shape[0]) == 1:
-            add_column_slices(m_part, m_wout, threads, a)
+        if cutlass.const_expr(self.own_in_registers):
+            if ids_in_range(m_sorted, m_table.shape[0]) == 1:
+                add_column_slices(m_part, m_wout, threads, a)
         if owns == 1:
             for j in cutlass.range(1, last_range - a + 1):
                 if j > 1:
