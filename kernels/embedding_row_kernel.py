@@ -478,9 +478,7 @@ class EmbeddingRmsNormBackward:
                 for k in cutlass.range_constexpr(vpt):
                     segment[None, k].store(segment[None, k].load() + staging[None, k].load())
             if _written(True, segment, vid, padding) == 1:
-                for k in cutlass.range_constexpr(vpt):
-                    old[None, k].store(old[None, k].load() + segment[None, k].load())
-                store_row(loads[0], old, m_table[Int32(vid), None], tidx, threads, vpt, vectors)
+                _add_into_row(loads[0], segment, old, m_table[Int32(vid), None], tidx, threads, vpt, vectors)
 
     @cute.jit
     def fetch(self, fetches, token_rows, m_rstd, m_table, ids, token, j, rows_ring, rstd_ring, slot, tidx):
@@ -550,11 +548,18 @@ def _write_table_row(accumulate: cutlass.Constexpr, atom, segment, old, row, tid
     table row itself or its copy in the ring): one rounding."""
     if cutlass.const_expr(accumulate):
         read_row((atom, atom), (old_row,), (old,), tidx, threads, vpt, vectors)
-        for k in cutlass.range_constexpr(vpt):
-            old[None, k].store(old[None, k].load() + segment[None, k].load())
-        store_row(atom, old, row, tidx, threads, vpt, vectors)
+        _add_into_row(atom, segment, old, row, tidx, threads, vpt, vectors)
     else:
         store_row(atom, segment, row, tidx, threads, vpt, vectors)
+
+
+@cute.jit
+def _add_into_row(atom, segment, old, row, tidx, threads: cutlass.Constexpr, vpt: cutlass.Constexpr,
+                  vectors: cutlass.Constexpr):
+    """row = bf16(old + segment), `old` holding the row's values in fp32: one rounding."""
+    for k in cutlass.range_constexpr(vpt):
+        old[None, k].store(old[None, k].load() + segment[None, k].load())
+    store_row(atom, old, row, tidx, threads, vpt, vectors)
 
 
 def _fake_args(hidden: int, norm_weight_dtype, ids_dtype=None, model: bool = False):
