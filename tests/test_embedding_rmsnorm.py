@@ -105,19 +105,19 @@ def test_finish_left_to_the_last_cta_gives_the_same_bits(monkeypatch, tokens, sa
     all."""
     from cutebwd.kernels import embedding_backward as op, embedding_row_kernel
 
-    grad_output, *others = PROBLEM.make_inputs(1, tokens, device="cuda", seed=6, same_ids=same_ids)
+    inputs = PROBLEM.make_inputs(1, tokens, device="cuda", seed=6, same_ids=same_ids)
     table = torch.randn(65536, 4096, device="cuda").bfloat16()
 
-    def accumulate(grad_output):
+    def accumulate():
         out = (table.clone(), torch.full((4096,), float("nan"), dtype=torch.bfloat16, device="cuda"))
-        kernel(grad_output, *others, out=out, accumulate=True)
+        kernel(*inputs, out=out, accumulate=True)
         return out
 
-    want = accumulate(grad_output)
+    want = accumulate()
     monkeypatch.setattr(embedding_row_kernel, "SETTLE_TIMEOUT_CYCLES", 0)
     monkeypatch.setattr(op, "_calls", op.CallCache(op._call_key, op._check_call, op._new_entry))
     for _ in range(3):
-        got = accumulate(grad_output)
+        got = accumulate()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
