@@ -171,11 +171,9 @@ def add_column_slices(partials: cute.Tensor, out: cute.Tensor, threads: cutlass.
     """out = the column sums of fp32 partials [rows, columns] (out fp32, or bf16 rounded once), by
     every CTA of the grid, each adding a slice of the columns: a vector's rows go to `lanes`
     adjacent lanes of a warp (a power of two up to 32: as many as the slice leaves each vector),
-    lane l adding rows l, l + lanes, ... in order, then a butterfly over the lanes. A thread's
-    loads are in flight together (add_rows: four a thread with a CTA per partial row, where a
-    warp adding one vector at a time waited a round trip per vector). The order
-    depends only on the grid and the row count: bitwise repeatable. `cta`: whose slice (this CTA's
-    by default)."""
+    lane l adding rows l, l + lanes, ... in order (add_rows: four rows' loads in flight at a
+    time), then a butterfly over the lanes. The order depends only on the grid and the row
+    count: bitwise repeatable. `cta`: whose slice (this CTA's by default)."""
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     if cutlass.const_expr(cta is not None):
