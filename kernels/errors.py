@@ -70,6 +70,13 @@ def record(device_index: int):
     return entry.device
 
 
+def pending(device_index: int):
+    """The device's recorded op code (a ctypes int64 over the pinned record, 0: no error): an
+    op reads its .value first and calls raise_pending only when it is set."""
+    record(device_index)
+    return _records[device_index].code
+
+
 def raise_pending(device_index: int) -> None:
     """Raises the error recorded for the device, if any: every op's first step (a dict lookup
     while no op has made a record, ~0.3 us once one has)."""

@@ -17,6 +17,7 @@ from typing import Any, Callable, Hashable
 
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass.cute.runtime import make_ptr, nullptr
 from cutlass.cute.typing import AddressSpace
 
@@ -36,8 +37,6 @@ def device_gpu(device_index: int) -> Gpu:
     """A CUDA device's arch and SM count, what dispatch reads off it; a GPU no target is built
     for, or one offering a CTA less shared memory than its arch's builds assume
     (layouts.gpus.SMEM_PER_BLOCK), raises RuntimeError naming it."""
-    import torch
-
     props = torch.cuda.get_device_properties(device_index)
     arch = ARCH_OF_CAPABILITY.get((props.major, props.minor))
     if arch is None:
@@ -139,11 +138,10 @@ class PerStream:
         raise NotImplementedError
 
     def _fits(self, buffer, *need) -> bool:
+        """Whether `buffer` serves a call needing `need` (asked only where a call states one)."""
         return True
 
     def get(self, *need):
-        import torch
-
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         # CUDA never captures the legacy default stream (raw handle 0), so an eager call there
         # skips the capture query (~0.3-0.5 us of a ~1.3 us lookup; docs/design-host.md);
@@ -151,7 +149,7 @@ class PerStream:
         if stream and torch._C._cuda_isCurrentStreamCapturing():
             return self._for_capture(stream, *need)
         buffer = self._buffers.get(stream)
-        if buffer is None or not self._fits(buffer, *need):
+        if buffer is None or need and not self._fits(buffer, *need):
             buffer = self._buffers[stream] = self._new(*need)
         return buffer
 
@@ -189,8 +187,6 @@ class StreamWorkspace(PerStream):
         self.shape = (rows, cols)
 
     def _new(self):
-        import torch
-
         return torch.empty(self.shape, dtype=torch.float32, device=self.device)
 
 
@@ -198,7 +194,6 @@ def zero_fill(tensor):
     """Zeroes a contiguous CUDA tensor by cudaMemsetAsync on torch's current stream and returns
     it. On the H200 it writes the embedding backward's 512 MB table at 4.5 TB/s; torch's fill
     kernel (torch.zeros, zero_) reaches 3.4 (docs/design-embedding.md)."""
-    import torch
     from cuda.bindings import runtime as cudart
 
     if not tensor.is_contiguous():
@@ -228,7 +223,6 @@ def env_stream():
 def current_stream(device):
     """The current torch CUDA stream of `device` as the driver handle kernels launch on."""
     import cuda.bindings.driver as cuda
-    import torch
 
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
@@ -244,8 +238,6 @@ TORCH_TO_CUTE = {}
 
 def cute_dtype(torch_dtype):
     """The CuTe numeric type of a torch dtype (only those the kernels take)."""
-    import torch
-
     if not TORCH_TO_CUTE:
         TORCH_TO_CUTE.update({
             torch.bfloat16: cutlass.BFloat16,
@@ -260,8 +252,6 @@ def cute_dtype(torch_dtype):
 def max_clusters(device, size: int) -> int:
     """How many clusters of `size` one-CTA-per-SM CTAs the GPU holds at once: SMs / size only
     where every GPC's SM count divides evenly, so ask the driver."""
-    import torch
-
     if size == 1:
         return torch.cuda.get_device_properties(device).multi_processor_count
     with torch.cuda.device(device):

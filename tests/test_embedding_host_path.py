@@ -36,6 +36,7 @@ def compiled(monkeypatch):
     for accumulate in (False, True):
         stub = types.SimpleNamespace(device=state.device, device_index=-1, accumulate=accumulate,
                                      max_ctas=state.max_ctas, record=state.record,
+                                     pending=code,
                                      workspace=types.SimpleNamespace(get=lambda: state.buffers),
                                      run_sort_on_chip=run_sort_on_chip)
         monkeypatch.setitem(embedding_backward._calls, (HIDDEN, accumulate, torch.int64, torch.bfloat16, -1), stub)
