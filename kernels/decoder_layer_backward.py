@@ -44,11 +44,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from ..layouts.gemm import GemmTiling
 from ..references import decoder_layer as contract
 from ..references.inputs import model_dims
 from . import errors, padded_rows, rmsnorm_backward
 from .calls import CallCache
+from .checks import check_same_device, check_tensor
 from .gemm import GemmCall, matmul_nt, matmul_nt_batched, matmul_nt_summed, summed_k, weight_gradients
 from .gemm.epilogue import DSWIGLU, ROPE_INVERSE, ROW_DOT, SOFTMAX_BWD
 
@@ -123,8 +126,6 @@ def decoder_layer_backward(grad_output, residual, attn_input, query_states, key_
 
 def _backward(args, eps, dims, outs, adds=()):
     """The fourteen steps on checked arguments; `adds`: the outputs' indices added into."""
-    import torch
-
     (grad_output, residual, attn_input, _, _, _, query_states_rotated, _, key_states_repeated, value_states_repeated,
      cos, sin, attn_weights, attn_output, residual2, ffn_input, gate, up, silu_up, swiglu_output, input_ln_weight,
      q_weight, k_weight, v_weight, o_weight, post_attn_ln_weight, gate_weight, up_weight, down_weight, variance1,
@@ -220,10 +221,6 @@ ADDABLE = {"grad_q_weight": "q_weight", "grad_k_weight": "k_weight", "grad_v_wei
 def _with_added(outs, add_into, args):
     """(the outputs with add_into's tensors in their places, their indices), each checked (every
     call: a few microseconds against a layer's milliseconds)."""
-    import torch
-
-    from .checks import check_same_device, check_tensor
-
     if not isinstance(add_into, dict) or not set(add_into) <= set(ADDABLE):
         raise ValueError(f"add_into: a dict from some of {tuple(ADDABLE)} to the tensors to add into")
     outs = list(outs)
@@ -283,8 +280,6 @@ def _tma_rows(scores):
 
 def _padded_scores(batch, q_heads, seq, device):
     """A bf16 [b, heads, s, s] tensor with rows padded to a multiple of 8 elements."""
-    import torch
-
     padded = -(-seq // TMA_STRIDE) * TMA_STRIDE
     return torch.empty(batch, q_heads, seq, padded, dtype=torch.bfloat16, device=device)[..., :seq]
 
@@ -306,10 +301,6 @@ def _dims(args):
 def _check_inputs(args, eps, dims):
     """Every input's dtype, shape, device and the layouts the kernels read in place; messages name
     the argument."""
-    import torch
-
-    from .checks import check_same_device, check_tensor
-
     batch, seq, hidden, head_dim, q_heads, kv_heads, inter, _ = dims
     if head_dim % 32 or head_dim == 0:
         raise ValueError(f"cos: head_dim {head_dim} must be a positive multiple of 32 (the inverse RoPE's tiles)")
@@ -370,10 +361,6 @@ def _flattens(t) -> bool:
 def _outputs(out, args, hidden, check: bool = True):
     """The caller's ten outputs (checked with `check`; otherwise the kernels' C entry points
     check what they write), or new ones (bf16 like their tensors, fp32 norm-weight gradients)."""
-    import torch
-
-    from .checks import check_same_device, check_tensor
-
     like = (args["grad_output"], None, args["q_weight"], args["k_weight"], args["v_weight"], args["o_weight"],
             None, args["gate_weight"], args["up_weight"], args["down_weight"])
     if out is None:

@@ -41,6 +41,7 @@ from cutlass import BFloat16, Float32, Int64
 
 from . import embedding_row_kernel as row_kernel, errors, id_radix, runtime
 from .calls import KEY_ERRORS, CallCache
+from .checks import check_hidden_size, check_row_strides, check_same_device, check_tensor
 from .id_sort import KEYS_MAX_VOCAB, RangeAndKeys, WidenKeys, build_range_and_keys, build_widen_keys
 from .id_sort import MAX_TOKENS as SORT_ON_CHIP_MAX_TOKENS, MAX_VOCAB as SORT_ON_CHIP_MAX_VOCAB
 from .rows import MAX_HIDDEN, VECTOR
@@ -54,8 +55,6 @@ EARLY_FILL_MAX_TOKENS = 12288
 
 
 def _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, vocab_size):
-    from .checks import check_hidden_size, check_row_strides, check_same_device, check_tensor
-
     check_tensor("grad_output", grad_output, dtypes=torch.bfloat16, ndim=3, contiguous=False, align=8)
     batch, seq, hidden = grad_output.shape
     check_hidden_size("grad_output", hidden, MAX_HIDDEN)
@@ -79,8 +78,6 @@ def _check_inputs(grad_output, input_ids, hidden_states, rstd, norm_weight, voca
 def _check_out(out, hidden_states, norm_weight, vocab_size):
     """out = (grad_embed_weight, grad_norm_weight), the latter in norm_weight's dtype
     (norm_weight's own checks come first: _check_inputs, or an entry key made after them)."""
-    from .checks import check_same_device, check_tensor
-
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise TypeError("out: expected (grad_embed_weight, grad_norm_weight)")
     hidden = hidden_states.shape[-1]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 
+import torch
+
 # op code -> the op's name, as the error names it
 OPS = {1: "embedding_rmsnorm_backward"}
 EMBEDDING = 1
@@ -25,7 +27,6 @@ _records: dict = {}  # device index -> _Record
 
 class _Record:
     def __init__(self, device_index: int):
-        import torch
         from cuda.bindings import runtime as cudart
 
         self.host = torch.zeros(WORDS, dtype=torch.int64, pin_memory=True)
@@ -55,8 +56,6 @@ class _DeviceView:
         self.index = device_index
 
     def as_tensor(self):
-        import torch
-
         with torch.cuda.device(self.index):
             return torch.as_tensor(self, device=f"cuda:{self.index}")
 
@@ -89,8 +88,6 @@ def raise_pending(device_index: int) -> None:
 def check_errors(device=None) -> None:
     """Synchronizes `device` (every device holding a record when None) and raises the first
     error its kernels recorded, clearing it."""
-    import torch
-
     if device is None:
         indices = sorted(_records)
     else:

@@ -27,6 +27,7 @@ import typing
 import torch
 import torch.nn.functional as F
 
+from .checks import check_module_tensors
 from .gated_mlp import gated_mlp_forward, gated_mlp_grads, linear_backward
 from .modules import norm_backward, qkv_norm_backward, qkv_norm_forward, rms_norm_forward, weight_nodes
 from .rotary import rotary_backward, rotate
@@ -121,7 +122,6 @@ def run(residual, normed, cos, sin, attend, eps: float, qk_eps: float, q_heads: 
 
 def _check_arguments(residual, normed, cos, sin, attend, q_heads: int, kv_heads: int, weights: GemmaLayerWeights):
     """TypeError / ValueError naming the argument, before the forward runs."""
-    from .checks import check_module_tensors
     from .qkv_qknorm_backward import MAX_HEAD_DIM, VECTOR
 
     tensors = {"residual": residual, "normed": normed, "cos": cos, "sin": sin,

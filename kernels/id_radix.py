@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -373,8 +374,6 @@ class Workspace(runtime.PerStream):
     """IndexBuffers per stream."""
 
     def _new(self):
-        import torch
-
         def ints(*shape, dtype=torch.int32):
             return torch.empty(shape, dtype=dtype, device=self.device)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16
@@ -80,8 +81,6 @@ def copy_padded_rows(src, dst):
     leading dimensions flattening to rows; dst's rows 16-byte aligned with a stride of at least
     W rounded up to 8 elements (a multiple of 8), which the copy fills with zeros past W.
     Returns dst."""
-    import torch
-
     check_tensor("src", src, dtypes=torch.bfloat16, contiguous=False, align=2)
     check_tensor("dst", dst, dtypes=torch.bfloat16, shape=tuple(src.shape), contiguous=False)
     check_same_device(src=src, dst=dst)

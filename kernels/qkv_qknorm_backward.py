@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
@@ -40,6 +41,7 @@ from ..layouts.gemm import GemmTiling, default_tiling
 from ..layouts.gpus import Gpu
 from . import errors, runtime
 from .calls import KEY_ERRORS, CallCache
+from .checks import check_same_device, check_tensor
 from .gemm import MAIN_LOOPS
 from .gemm.core import BARRIER_WORDS, Launch
 from .gemm.dispatch import Call, device_gpu
@@ -308,8 +310,6 @@ class _Entry:
     call)."""
 
     def __init__(self, head_dim: int, q_heads: int, device):
-        import torch
-
         self.device, self.head_dim, self.q_heads = device, head_dim, q_heads
         self.gpu = device_gpu(device)
         self.max_ctas = self.gpu.sms  # the widest grid
@@ -334,8 +334,6 @@ class _Scratch(runtime.StreamWorkspace):
     queued on that stream."""
 
     def _new(self, dqk_elements: int):
-        import torch
-
         return (super()._new(), torch.zeros(BARRIER_WORDS, dtype=torch.int32, device=self.device),
                 torch.empty(dqk_elements, dtype=torch.bfloat16, device=self.device))
 
@@ -348,8 +346,6 @@ class _Plan:
     products' schedules."""
 
     def __init__(self, entry: _Entry, batch: int, seq: int, hidden: int):
-        import torch
-
         d, tokens = entry.head_dim, batch * seq
         widths = (entry.q_heads * d, d, d)
         self.entry, self.batch, self.seq, self.hidden = entry, batch, seq, hidden
@@ -382,10 +378,6 @@ def _check_inputs(grad_query, grad_key, grad_value, hidden_states, q_weight, k_w
                   k_norm_weight, q_rstd, k_rstd, q_normed, k_normed):
     """Shapes, dtypes, devices and the layouts read in place, named in the messages (of the
     tensors read: not query_transposed / key_transposed)."""
-    import torch
-
-    from .checks import check_same_device, check_tensor
-
     check_tensor("hidden_states", hidden_states, dtypes=torch.bfloat16, ndim=3)
     batch, seq, hidden = hidden_states.shape
     check_tensor("grad_query", grad_query, dtypes=torch.bfloat16, ndim=4, contiguous=False)
@@ -429,10 +421,6 @@ def _check_inputs(grad_query, grad_key, grad_value, hidden_states, q_weight, k_w
 def _outputs(out, hidden_states, q_weight, k_weight, v_weight, head_dim, norm_grad_like=None):
     """The caller's six outputs checked, or new ones (the norm-weight gradients like
     `norm_grad_like`, an fp32 [head_dim] tensor on the device, where given)."""
-    import torch
-
-    from .checks import check_same_device, check_tensor
-
     if out is None:
         # empty_like is the cheapest allocation on the H200 host (1.73-1.98 us a tensor against
         # 2.20-2.48 for torch.empty(shape, dtype=, device=))

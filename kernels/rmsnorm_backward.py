@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -42,6 +43,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from . import errors, runtime
 from .calls import KEY_ERRORS, CallCache
+from .checks import check_hidden_size, check_row_strides, check_same_device, check_tensor
 from .column_sum import ColumnSum
 from .rows import (MAX_HIDDEN, VECTOR, alloc_ring, cp_async_atoms, element, fake_rows, fake_rstd, fetch_row,
                    load_remote_vector, read_row, ring_stages, row_sum, rows_view, thread_split, vector, wide_copy)
@@ -428,10 +430,6 @@ def _build(hidden: int, read_normalized: bool, arch: str, dump_dir=None, cluster
 def _check_inputs(grad_output, x, normalized, rstd, weight):
     """The full argument check, with messages that name the argument. Run on a shape's first call
     and to explain any call the compiled function's own (C) checks reject."""
-    import torch
-
-    from .checks import check_hidden_size, check_row_strides, check_same_device, check_tensor
-
     check_tensor("grad_output", grad_output, dtypes=torch.bfloat16, ndim=3, contiguous=False, align=8)
     batch, seq, hidden = grad_output.shape
     check_hidden_size("grad_output", hidden, MAX_HIDDEN)
@@ -449,10 +447,6 @@ def _check_inputs(grad_output, x, normalized, rstd, weight):
 
 
 def _check_out(out, grad_output):
-    import torch
-
-    from .checks import check_same_device, check_tensor
-
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise TypeError("out: expected (grad_hidden_states, grad_residual, grad_weight)")
     batch, seq, hidden = grad_output.shape
@@ -468,8 +462,6 @@ class _Entry:
     """What one (hidden size, normalized given?, device) needs per call, resolved once."""
 
     def __init__(self, hidden: int, read_normalized: bool, device):
-        import torch
-
         self.device, self.hidden = device, hidden
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_ctas = int(GRID_CTAS_PER_SM * sms)
@@ -574,8 +566,6 @@ class _FormEntry:
     """A RowForm's grid path for one (hidden size, device), resolved once."""
 
     def __init__(self, form: RowForm, hidden: int, device, read_normalized: bool, ctas_per_sm: int):
-        import torch
-
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_ctas = ctas_per_sm * sms
         self.run = runtime.ffi_function(_build(hidden, read_normalized, runtime.device_arch(device.index), form=form))

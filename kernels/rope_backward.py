@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
@@ -114,8 +115,6 @@ def kernel_takes(grad_q, grad_k, cos, sin) -> bool:
     """The part of kernel_reads that torch.compile can decide while it traces: bf16 CUDA tensors,
     [b, heads, s, d] gradients and [b or 1, s, d] tables, head_dim a multiple of 16 up to
     MAX_HEAD_DIM."""
-    import torch
-
     return (grad_q.dim() == grad_k.dim() == 4 and cos.dim() == sin.dim() == 3
             and _shapes_match(grad_q, grad_k, cos, sin)
             and grad_q.shape[-1] % (2 * PIECE) == 0 and grad_q.shape[-1] <= MAX_HEAD_DIM
@@ -141,8 +140,6 @@ def rope_backward(grad_q, grad_k, cos, sin):
     """(dq, dk) of y = x * cos + rotate_half(x) * sin for queries and keys (module docstring):
     grad_q [b, q_heads, s, d], grad_k [b, kv_heads, s, d], cos and sin [b or 1, s, d], bf16 CUDA tensors
     as kernel_reads says; dq and dk come contiguous."""
-    import torch
-
     for name, t in (("grad_q", grad_q), ("grad_k", grad_k), ("cos", cos), ("sin", sin)):
         check_tensor(name, t, dtypes=torch.bfloat16, contiguous=False)
     head_dim = grad_q.shape[-1]
@@ -160,8 +157,6 @@ def launch(grad_q, grad_k, cos, sin, token_major: bool = False):
     """rope_backward on tensors kernel_reads has passed (the operator's call decides that first, so
     a call checks them once). dq and dk come contiguous, or with token_major [b, s, heads, d] in
     memory (the kernel writes through free strides, the same build)."""
-    import torch
-
     check_same_device(grad_q=grad_q, grad_k=grad_k, cos=cos, sin=sin)
 
     def result(grad):

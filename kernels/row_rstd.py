@@ -10,6 +10,7 @@ runtime argument, so any (batch, seq) reuses the same build.
 """
 from __future__ import annotations
 
+import torch
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -74,8 +75,6 @@ def rms_rstd(x, eps: float = 1e-6, *, out=None):
     x must be contiguous, 16-byte aligned, with H a multiple of 16 bytes' worth of elements.
     Returns (or writes into `out`) an fp32 tensor of shape x.shape[:-1].
     """
-    import torch
-
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x: expected a last (hidden) dimension of size > 0, got shape {list(x.shape)}")

@@ -28,7 +28,8 @@ def test_a_second_process_loads_what_the_first_compiled(cache):
     runs = [json.loads(subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout)
             for _ in range(2)]
     assert [r["how"] for r in runs[0]] == ["compiled"] and [r["how"] for r in runs[1]] == ["loaded"]
-    assert len(list(cache.glob(f"{disk_cache.code_digest()}/cutebwd_*.o"))) == 1
+    # any digest folder: this process's digest is cached, the sources may change under a long run
+    assert len(list(cache.glob("*/cutebwd_*.o"))) == 1
 
 
 def test_entry_names_follow_key_arch_and_code(monkeypatch):
