@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import Int32, Int64
 
 from . import errors, runtime

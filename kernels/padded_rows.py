@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import BFloat16
 
 from . import runtime

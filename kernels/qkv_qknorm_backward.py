@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import BFloat16, Float32, Int32
 
 from ..layouts.gemm import GemmTiling, default_tiling

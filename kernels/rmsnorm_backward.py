@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
+import torch
 from cutlass import BFloat16, Float32, Int32
 
 from . import errors, runtime

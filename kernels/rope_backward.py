@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import cutlass.cute as cute
+import torch
 from cutlass import BFloat16, Float32
 
 from . import runtime

@@ -10,10 +10,10 @@ runtime argument, so any (batch, seq) reuses the same build.
 """
 from __future__ import annotations
 
-import torch
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import Float32, Int32
 
 from . import errors, runtime
